@@ -1,0 +1,22 @@
+"""gds-gather: gather the rows of a per-layer embedding table from NVMe into (GPU) memory.
+
+    import gds_gather as gg
+    with gg.open_table("model.gguf") as t:
+        x = t.gather(ids)          # ids.shape + (t.row_elems,), exactly gguf's dequantization
+
+Importing this package never touches the GPU, cupy or kvikio.
+"""
+from .backends import Backend, backends
+from .config import Config
+from .errors import (BackendError, BadIdsError, GatherError, HeaderError, NotGGUFError, ReadError, RowWidthError,
+                     TableNotFoundError, TruncatedFileError, UnsupportedTypeError)
+from .planner import ReadPlan, plan_rows
+from .table import DEFAULT_TENSOR, Table, open_table
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open_table", "Table", "backends", "Backend", "Config", "plan_rows", "ReadPlan", "DEFAULT_TENSOR",
+    "GatherError", "NotGGUFError", "HeaderError", "TruncatedFileError", "TableNotFoundError",
+    "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError",
+]

@@ -1,0 +1,44 @@
+"""The one exception hierarchy: every error gds_gather raises on bad input derives from GatherError."""
+
+
+class GatherError(Exception):
+    """Base class of every gds_gather error."""
+
+
+class NotGGUFError(GatherError, ValueError):
+    """The file is not a GGUF file (bad magic, unsupported version, unreadable header)."""
+
+
+class HeaderError(GatherError, ValueError):
+    """The GGUF header is malformed: absurd counts, duplicate names, bad alignment."""
+
+
+class TruncatedFileError(GatherError, ValueError):
+    """The file ends before data its header promises (metadata or tensor data past the end)."""
+
+
+class TableNotFoundError(GatherError, KeyError):
+    """The requested tensor is in none of the model's files."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedTypeError(GatherError, TypeError):
+    """A GGML type gds_gather cannot dequantize (or an unknown type id)."""
+
+
+class RowWidthError(GatherError, ValueError):
+    """The row width is not a multiple of the type's block size."""
+
+
+class BadIdsError(GatherError, IndexError):
+    """Row ids that are not integers or lie outside [0, n_rows)."""
+
+
+class BackendError(GatherError, RuntimeError):
+    """A backend that is unknown or unavailable on this machine."""
+
+
+class ReadError(GatherError, OSError):
+    """An I/O failure while reading rows: names the file and the offset."""

@@ -1,0 +1,187 @@
+"""A PLE table in a GGUF file: geometry from the metadata, planned reads, exact gathers."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import quants
+from .backends import resolve
+from .config import Config
+from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
+from .gguf_file import field_value, find_tensor
+from .planner import ReadPlan, check_ids, plan_rows
+from .readers import HOST_READERS, Reader
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENSOR = "per_layer_token_embd.weight"
+
+
+def _array_kind(x) -> str:
+    """'numpy', 'torch' (CPU tensor), 'torch-cuda', or 'cupy', without importing torch or cupy."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod == "torch":
+        return "torch-cuda" if x.device.type != "cpu" else "torch"
+    return "numpy"
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        pass
+    if name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"output dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return name
+
+
+def _cast_numpy(f32: np.ndarray, name: str) -> np.ndarray:
+    if name == "float32":
+        return f32
+    if name == "float16":
+        with np.errstate(over="ignore"):   # beyond the f16 range is inf, as in ggml's f16 get_rows
+            return f32.astype(np.float16)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 output of numpy arrays needs the ml_dtypes package "
+                        "(or pass torch ids: torch has bfloat16)") from None
+    return f32.astype(ml_dtypes.bfloat16)
+
+
+class Table:
+    """One row-gather table (default: the per-layer token embedding) of a GGUF model.
+
+    Opening reads metadata only. Attributes: n_rows, row_elems, qtype, row_bytes, data_offset (absolute, in
+    `path`), path (the shard holding the table), name, arch, n_bytes.
+    """
+
+    def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
+        self.config = config or Config.from_env()
+        info, reader, meta_reader = find_tensor(path, tensor)
+        self.model_path = Path(path)
+        self.path = info.path
+        self.name = info.name
+        self._meta = meta_reader
+        self.arch = field_value(meta_reader, "general.architecture", "")
+        if len(info.shape) != 2:
+            raise HeaderError(f"{info.path}: tensor {tensor!r} has shape {list(info.shape)}; a row table is 2-D")
+        self.row_elems, self.n_rows = info.shape
+        try:
+            self.qtype = quants.check_supported(info.type_id)
+        except UnsupportedTypeError as e:
+            raise UnsupportedTypeError(f"{info.path}: tensor {tensor!r}: {e}") from None
+        self.row_bytes = quants.row_bytes(self.qtype, self.row_elems, what=f"{info.path}: {tensor!r} row")
+        self.data_offset = info.data_offset
+        self.n_bytes = self.n_rows * self.row_bytes
+        st = os.stat(self.path)
+        if self.data_offset + self.n_bytes > st.st_size:
+            raise TruncatedFileError(
+                f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
+                f"past the end of the file ({st.st_size} bytes)")
+        self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self._readers: dict[str, Reader] = {}
+        self.closed = False
+
+    # -- metadata ------------------------------------------------------------------------------------------
+    @property
+    def reader(self):
+        """The gguf.GGUFReader of the model's first shard (metadata)."""
+        return self._meta
+
+    def field(self, key: str, default=None):
+        """A metadata value of the model (first shard), e.g. t.field('gemma4.block_count')."""
+        return field_value(self._meta, key, default)
+
+    def describe(self) -> dict:
+        return {
+            "path": str(self.path), "tensor": self.name, "arch": self.arch, "qtype": self.qtype.name,
+            "n_rows": self.n_rows, "row_elems": self.row_elems, "row_bytes": self.row_bytes,
+            "data_offset": self.data_offset, "table_bytes": self.n_bytes,
+            "f32_bytes": self.n_rows * self.row_elems * 4,
+        }
+
+    # -- planning and reading --------------------------------------------------------------------------------
+    def plan(self, ids, align: int | None = None, max_gap: int | None = None) -> ReadPlan:
+        return plan_rows(ids, n_rows=self.n_rows, row_bytes=self.row_bytes, data_offset=self.data_offset,
+                         align=align or self.config.align or 4096,
+                         max_gap=self.config.max_gap if max_gap is None else max_gap)
+
+    def _reader(self, backend: str) -> Reader:
+        if self.closed:
+            raise ValueError(f"table {self.path} is closed")
+        name, why = resolve(backend, self.config)
+        r = self._readers.get(name)
+        if r is None:
+            if name not in HOST_READERS:
+                raise BackendError(f"backend {name!r} has no host reader in this version")
+            log.info("%s: backend %s (%s)", self.path.name, name, why)
+            r = self._readers[name] = HOST_READERS[name](self.path, self.data_offset, self.n_bytes)
+        return r
+
+    def read_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:
+        """Raw bytes of the plan's unique rows, uint8 [plan.n_unique, row_bytes], in plan order."""
+        if plan.n_unique == 0:
+            return np.empty((0, self.row_bytes), np.uint8)
+        return self._reader(backend).read(plan)
+
+    def read_rows(self, ids, backend: str = "auto") -> np.ndarray:
+        """The raw quantized rows behind `ids`: uint8 of shape ids.shape + (row_bytes,)."""
+        plan = self.plan(ids)
+        return self.read_plan(plan, backend)[plan.inverse].reshape(plan.shape + (self.row_bytes,))
+
+    def gather(self, ids, backend: str = "auto", dtype=np.float32, *, stream=None):
+        """Dequantized rows: shape ids.shape + (row_elems,), exactly gguf.quants.dequantize(table)[ids].
+
+        ids: integer numpy array (or torch CPU tensor) of any shape; the result is of the same kind.
+        GPU flavour (cupy or torch CUDA ids, result on the same device, launched on `stream`) arrives with the
+        CUDA kernels; until then such ids raise BackendError.
+        """
+        kind = _array_kind(ids)
+        name = _dtype_name(dtype)
+        if kind in ("cupy", "torch-cuda"):
+            raise BackendError("GPU ids need the CUDA dequant kernels, which are not part of this version; "
+                               "pass numpy or CPU torch ids")
+        if kind == "torch":
+            out = self._gather_host(ids.numpy(), backend)
+            import torch
+            t = torch.from_numpy(out)
+            return t if name == "float32" else t.to(getattr(torch, name))
+        return _cast_numpy(self._gather_host(ids, backend), name)
+
+    def _gather_host(self, ids, backend: str) -> np.ndarray:
+        return self.gather_plan(self.plan(ids), backend)
+
+    def gather_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:
+        """Float32 rows for an existing plan: shape plan.shape + (row_elems,)."""
+        rows = quants.dequantize_rows(self.read_plan(plan, backend), self.qtype, self.row_elems)
+        return rows[plan.inverse].reshape(plan.shape + (self.row_elems,))
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._meta = None
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Table({str(self.path)!r}, {self.name!r}, {self.qtype.name}, rows={self.n_rows}, "
+                f"row_elems={self.row_elems}, row_bytes={self.row_bytes})")
+
+
+def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None) -> Table:
+    """Open the row table `tensor` of a GGUF model (any shard of a split model), reading metadata only."""
+    return Table(path, tensor, config)

@@ -1,0 +1,7 @@
+"""CUDA C++ sources of the dequant-scatter kernels, shipped as package data (read with importlib.resources)."""
+from importlib import resources
+
+
+def source(name: str) -> str:
+    """Text of a kernel source file in this folder, e.g. source('dequant.cuh')."""
+    return resources.files(__name__).joinpath(name).read_text(encoding="utf-8")
