@@ -41,6 +41,7 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  rows           {d['n_rows']:,} rows x {d['row_elems']} elements = {d['row_bytes']} B/row")
     print(f"  table          {_human(d['table_bytes'])} at offset {d['data_offset']:,} "
           f"(F32 would be {_human(d['f32_bytes'])}, {d['f32_bytes'] / d['table_bytes']:.1f}x)")
+    print(f"  storage        {d['filesystem']}, O_DIRECT alignment {d['align']} B")
     print(f"  platform       {plat.kind}: {plat.reason}")
     print("  backends")
     for b in d["backends"]:

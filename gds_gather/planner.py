@@ -134,14 +134,15 @@ def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int 
     unique, inverse = dedup(arr.ravel(), n_rows)
 
     # Aligned windows: each row spans blocks [first, last]; rows are in file order and all the same size,
-    # so `last` is nondecreasing and a window ends wherever the next row starts past last + max_gap.
+    # so `last` is nondecreasing. A window ends where more than max_gap unread blocks separate the next row's
+    # first block from the previous row's last (touching windows merge: one larger read, no extra bytes).
     start = data_offset + unique * row_bytes
     first = start // align
     last = (start + row_bytes - 1) // align
     if unique.shape[0]:
         brk = np.empty(unique.shape[0], bool)
         brk[0] = True
-        np.greater(first[1:], last[:-1] + max_gap, out=brk[1:])
+        np.greater(first[1:], last[:-1] + (max_gap + 1), out=brk[1:])
         heads = np.flatnonzero(brk)
         tails = np.append(heads[1:], unique.shape[0]) - 1
         win_first = first[heads]

@@ -75,7 +75,9 @@ def dequantize_rows(raw: np.ndarray, qtype, row_elems: int) -> np.ndarray:
     """Raw rows uint8 [n, row_bytes] -> float32 [n, row_elems], exactly gguf.quants.dequantize."""
     qt = check_supported(qtype)
     rb = row_bytes(qt, row_elems)
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, rb)
+    if raw.dtype != np.uint8:   # readers hand over raw bytes; a float array here would be converted, not viewed
+        raise TypeError(f"dequantize_rows takes raw uint8 rows, got {raw.dtype}")
+    raw = np.ascontiguousarray(raw).reshape(-1, rb)
     if raw.shape[0] == 0:
         return np.empty((0, row_elems), np.float32)
     out = gq.dequantize(raw, qt)

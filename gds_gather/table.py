@@ -14,6 +14,7 @@ from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTy
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, check_ids, plan_rows
 from .readers import HOST_READERS, Reader
+from .storage import filesystem, logical_block_size
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Table:
                 f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.align = self.config.align or logical_block_size(self.path)   # O_DIRECT window alignment
         self._readers: dict[str, Reader] = {}
         self.closed = False
 
@@ -104,13 +106,14 @@ class Table:
             "path": str(self.path), "tensor": self.name, "arch": self.arch, "qtype": self.qtype.name,
             "n_rows": self.n_rows, "row_elems": self.row_elems, "row_bytes": self.row_bytes,
             "data_offset": self.data_offset, "table_bytes": self.n_bytes,
-            "f32_bytes": self.n_rows * self.row_elems * 4,
+            "f32_bytes": self.n_rows * self.row_elems * 4, "align": self.align,
+            "filesystem": filesystem(self.path),
         }
 
     # -- planning and reading --------------------------------------------------------------------------------
     def plan(self, ids, align: int | None = None, max_gap: int | None = None) -> ReadPlan:
         return plan_rows(ids, n_rows=self.n_rows, row_bytes=self.row_bytes, data_offset=self.data_offset,
-                         align=align or self.config.align or 4096,
+                         align=align or self.align,
                          max_gap=self.config.max_gap if max_gap is None else max_gap)
 
     def _reader(self, backend: str) -> Reader:

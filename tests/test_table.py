@@ -124,3 +124,20 @@ def test_forced_backend_env(small_table):
     with pytest.raises(gg.BackendError, match="not available"):
         with gg.open_table(small_table) as t:
             t.gather([1], backend="gds")
+
+
+def test_split_model_opens_from_any_shard(tmp_path, ggufs):
+    from gds_gather.model import write_model
+    first = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="Q4_0", rows=5000, split=3, progress=False)
+    shards = sorted(tmp_path.glob("m-*-of-00003.gguf"))
+    assert len(shards) == 3 and first == shards[0]
+    ref = ggufs.reference(shards[-1])
+    ids = np.random.default_rng(3).integers(0, 5000, (7, 16))
+    for shard in shards:
+        with gg.open_table(shard) as t:
+            assert t.path == shards[-1] and t.model_path == shard
+            assert t.arch == "qwen4exp" and t.field("qwen4exp.ple.ngram_size") == 3   # metadata from shard 1
+            np.testing.assert_array_equal(t.gather(ids), ref[ids])
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match="missing shard"):
+        gg.open_table(shards[0])
