@@ -25,9 +25,18 @@ class Backend:
 
 
 _DESCRIPTIONS = {
+    "direct": "O_DIRECT aligned windows, one batched submitter (io_uring; native thread pool without it)",
+    "pread": "buffered exact-row preads from 2 x cores native threads (llama.cpp's --lazy-mode on-direct)",
     "mmap": "table mapped with MADV_RANDOM, rows gathered by page faults (llama.cpp's lazy mode)",
+    "readahead": "mmap + MADV_RANDOM + one batched MADV_WILLNEED per batch (unsloth llama.cpp #137)",
     "resident": "whole table loaded into host RAM once (upper bound)",
 }
+
+
+def _direct_how() -> str:
+    from . import uring
+    ok, why = uring.probe()
+    return "io_uring" if ok else f"native thread pool ({why})"
 
 
 def _gds(platform: Platform) -> Backend:
@@ -43,7 +52,8 @@ def backends(config: Config | None = None) -> list[Backend]:
     """Every backend with `available` and the reason (probes the GPU lazily; never raises)."""
     cfg = config or Config.from_env()
     plat = detect(cfg.platform)
-    out = [Backend(name, True, _DESCRIPTIONS[name], "host") for name in HOST_READERS]
+    out = [Backend(name, True, _DESCRIPTIONS[name] + (f"; here: {_direct_how()}" if name == "direct" else ""),
+                   "host") for name in HOST_READERS]
     out.append(_gds(plat))
     return out
 
@@ -58,9 +68,9 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
         forced = "requested"
     if name == "auto":
         plat = detect(cfg.platform)
-        why = (f"platform {plat.kind} ({plat.reason}); host gather through the page cache "
-               f"(the batched direct engine is not part of this version)")
-        return "mmap", why
+        why = (f"platform {plat.kind} ({plat.reason}): direct reads into host memory "
+               f"({_direct_how()})")
+        return "direct", why
     table = {b.name: b for b in backends(cfg)}
     if name not in table:
         raise BackendError(f"unknown backend {name!r}; known: {', '.join(table)}")

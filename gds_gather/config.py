@@ -22,11 +22,14 @@ class Config:
     max_gap: int = 0            # GDS_GATHER_MAX_GAP: merge windows separated by at most this many aligned blocks
     threads: int = 0            # GDS_GATHER_THREADS: reader threads; 0 = 2 x cores
     queue_depth: int = 128      # GDS_GATHER_QUEUE_DEPTH: reads in flight for the batched engines
+    engine: str = "auto"        # GDS_GATHER_ENGINE: how `direct` submits: auto | uring | threads
     cache_dir: Path = _default_cache_dir()   # GDS_GATHER_CACHE_DIR: where the built-in default model is kept
 
     def __post_init__(self) -> None:
         if self.align and (self.align < 0 or self.align & (self.align - 1)):
             raise ValueError(f"align must be 0 or a power of two, got {self.align}")
+        if self.engine not in ("auto", "uring", "threads"):
+            raise ValueError(f"engine must be auto, uring or threads, got {self.engine!r}")
         for name in ("max_gap", "threads", "queue_depth"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

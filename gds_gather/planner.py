@@ -118,6 +118,28 @@ def dedup(flat: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rows[new], inverse
 
 
+def windows(start: np.ndarray, extent: int, align: int, max_gap: int = 0):
+    """Aligned, non-overlapping windows covering extents [start, start + extent) given in ascending order.
+
+    Returns (offsets, lengths, window of each extent). Each extent spans blocks [first, last]; as all extents
+    have the same size `last` is nondecreasing, so a window ends where more than max_gap unread blocks separate
+    the next extent's first block from the previous one's last (touching windows merge: one larger read,
+    no extra bytes).
+    """
+    if start.shape[0] == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    first = start // align
+    last = (start + extent - 1) // align
+    brk = np.empty(start.shape[0], bool)
+    brk[0] = True
+    np.greater(first[1:], last[:-1] + (max_gap + 1), out=brk[1:])
+    heads = np.flatnonzero(brk)
+    tails = np.append(heads[1:], start.shape[0]) - 1
+    win_first = first[heads]
+    return win_first * align, (last[tails] - win_first + 1) * align, np.cumsum(brk) - 1
+
+
 def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int = 4096,
               max_gap: int = 0) -> ReadPlan:
     """Plan the reads for `ids` (any shape) of a table of `n_rows` rows of `row_bytes` at `data_offset`.
@@ -133,27 +155,12 @@ def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int 
     arr = check_ids(ids, n_rows)
     unique, inverse = dedup(arr.ravel(), n_rows)
 
-    # Aligned windows: each row spans blocks [first, last]; rows are in file order and all the same size,
-    # so `last` is nondecreasing. A window ends where more than max_gap unread blocks separate the next row's
-    # first block from the previous row's last (touching windows merge: one larger read, no extra bytes).
     start = data_offset + unique * row_bytes
-    first = start // align
-    last = (start + row_bytes - 1) // align
-    if unique.shape[0]:
-        brk = np.empty(unique.shape[0], bool)
-        brk[0] = True
-        np.greater(first[1:], last[:-1] + (max_gap + 1), out=brk[1:])
-        heads = np.flatnonzero(brk)
-        tails = np.append(heads[1:], unique.shape[0]) - 1
-        win_first = first[heads]
-        win_offsets = win_first * align
-        win_lengths = (last[tails] - win_first + 1) * align
-        win_staging = np.zeros_like(win_lengths)
+    win_offsets, win_lengths, row_window = windows(start, row_bytes, align, max_gap)
+    win_staging = np.zeros_like(win_lengths)
+    if win_lengths.shape[0]:
         np.cumsum(win_lengths[:-1], out=win_staging[1:])
-        row_window = np.cumsum(brk) - 1
-        row_staging = win_staging[row_window] + (start - win_offsets[row_window])
-    else:
-        win_offsets = win_lengths = win_staging = row_window = row_staging = np.zeros(0, np.int64)
+    row_staging = win_staging[row_window] + (start - win_offsets[row_window])
     return ReadPlan(
         shape=tuple(arr.shape), row_bytes=int(row_bytes), data_offset=int(data_offset), align=int(align),
         unique_rows=unique, inverse=inverse, win_offsets=win_offsets, win_lengths=win_lengths,

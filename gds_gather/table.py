@@ -125,7 +125,9 @@ class Table:
             if name not in HOST_READERS:
                 raise BackendError(f"backend {name!r} has no host reader in this version")
             log.info("%s: backend %s (%s)", self.path.name, name, why)
-            r = self._readers[name] = HOST_READERS[name](self.path, self.data_offset, self.n_bytes)
+            r = self._readers[name] = HOST_READERS[name](self.path, self.data_offset, self.n_bytes,
+                                                          config=self.config, file_id=self.file_id)
+            log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
 
     def read_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:

@@ -1,0 +1,93 @@
+/* Native helpers for gds_gather, compiled on first use and loaded with ctypes (see native.py).
+ *
+ * gg_pread_pool: a pool of threads issuing pread(2) for a batch of extents, the way llama.cpp's on-direct
+ *   reader does (and the engine's fallback where io_uring is missing). Short reads continue, EINTR/EAGAIN
+ *   retry, the first error stops every thread and is reported with the extent's index.
+ * gg_madvise_ranges: one madvise(2) per range of a mapping (batched readahead hints).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct {
+    int fd;
+    const int64_t *off, *len, *expect, *dst_off;
+    uint8_t *dst;
+    int64_t n, align;
+    int64_t inject_index;   /* tests: extent whose first read fails with inject_err (-1: none) */
+    int inject_err;         /* errno to inject, or -2: a short read of half the extent */
+    atomic_long next;
+    atomic_int stop;
+    atomic_long err_index;
+    atomic_int err_code;    /* errno, or -1 for an unexpected end of file */
+} job_t;
+
+static void fail(job_t *j, int64_t i, int code) {
+    long none = -1;
+    if (atomic_compare_exchange_strong(&j->err_index, &none, (long)i)) atomic_store(&j->err_code, code);
+    atomic_store(&j->stop, 1);
+}
+
+static void *worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    for (;;) {
+        if (atomic_load(&j->stop)) return NULL;
+        int64_t i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n) return NULL;
+        int64_t got = 0, want = j->len[i];
+        int injected = (i == j->inject_index);
+        while (got < j->expect[i]) {
+            ssize_t r;
+            if (injected && j->inject_err == -2) {          /* simulated short read */
+                int64_t half = want / 2 / j->align * j->align;
+                r = pread(j->fd, j->dst + j->dst_off[i], (size_t)(half > 0 ? half : want), j->off[i]);
+                injected = 0;
+            } else if (injected) {
+                injected = 0;
+                errno = j->inject_err;
+                r = -1;
+            } else {
+                r = pread(j->fd, j->dst + j->dst_off[i] + got, (size_t)(want - got), j->off[i] + got);
+            }
+            if (r < 0) {
+                if (errno == EINTR || errno == EAGAIN) continue;
+                fail(j, i, errno);
+                return NULL;
+            }
+            if (r == 0) { fail(j, i, -1); return NULL; }
+            got += r;
+            if (got < j->expect[i]) got -= got % j->align;    /* O_DIRECT: resume at an aligned offset */
+        }
+    }
+}
+
+int64_t gg_pread_pool(int fd, const int64_t *off, const int64_t *len, const int64_t *expect, uint8_t *dst,
+                      const int64_t *dst_off, int64_t n, int64_t align, int nthreads, int64_t inject_index,
+                      int inject_err, int *err_code) {
+    job_t j = {fd, off, len, expect, dst_off, dst, n, align > 0 ? align : 1, inject_index, inject_err};
+    atomic_init(&j.next, 0);
+    atomic_init(&j.stop, 0);
+    atomic_init(&j.err_index, -1);
+    atomic_init(&j.err_code, 0);
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 1024) nthreads = 1024;
+    if (nthreads > n) nthreads = (int)(n > 0 ? n : 1);
+    pthread_t th[1024];
+    int started = 0;
+    for (; started < nthreads - 1; started++)
+        if (pthread_create(&th[started], NULL, worker, &j) != 0) break;
+    worker(&j);                                 /* the calling thread works too */
+    for (int k = 0; k < started; k++) pthread_join(th[k], NULL);
+    *err_code = atomic_load(&j.err_code);
+    return atomic_load(&j.err_index);          /* -1: every extent read */
+}
+
+int gg_madvise_ranges(uint8_t *base, const int64_t *off, const int64_t *len, int64_t n, int advice) {
+    for (int64_t i = 0; i < n; i++)
+        if (madvise(base + off[i], (size_t)len[i], advice) != 0) return errno;
+    return 0;
+}

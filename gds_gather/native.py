@@ -1,0 +1,84 @@
+"""Build (once, cached by source hash) and load the small native helper library native.c through ctypes.
+
+Needs a C compiler (cc/gcc/clang) at first use; without one, callers fall back to pure-Python paths and say so.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .config import Config
+
+log = logging.getLogger(__name__)
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(_I64P)
+
+
+@functools.cache
+def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
+    src = resources.files("gds_gather").joinpath("native.c").read_bytes()
+    tag = hashlib.sha256(src).hexdigest()[:16]
+    so = Path(cache_dir) / "native" / f"libggnative-{tag}.so"
+    if not so.exists():
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if not cc:
+            return None, "no C compiler (cc) to build the native helpers"
+        so.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            c = Path(tmp) / "native.c"
+            c.write_bytes(src)
+            out = Path(tmp) / so.name
+            r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", str(c), "-o", str(out)],
+                               capture_output=True, text=True)
+            if r.returncode:
+                return None, f"building the native helpers failed: {r.stderr.strip()[:300]}"
+            os.replace(out, so)     # atomic: concurrent first uses do not see a half-written library
+    lib = ctypes.CDLL(str(so))
+    lib.gg_pread_pool.restype = ctypes.c_int64
+    lib.gg_pread_pool.argtypes = [ctypes.c_int, _I64P, _I64P, _I64P, ctypes.c_void_p, _I64P, ctypes.c_int64,
+                                  ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.POINTER(ctypes.c_int)]
+    lib.gg_madvise_ranges.restype = ctypes.c_int
+    lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int]
+    return lib, f"native helpers {so.name}"
+
+
+def library(config: Config | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, why)."""
+    cfg = config or Config.from_env()
+    try:
+        return _load(str(cfg.cache_dir))
+    except OSError as e:
+        return None, f"loading the native helpers failed: {e}"
+
+
+def pread_pool(lib, fd: int, offsets, lengths, expect, dst: np.ndarray, dst_offsets, *, align: int = 1,
+               threads: int, inject: tuple[int, int] = (-1, 0)) -> tuple[int, int]:
+    """Read every extent with `threads` native threads; returns (failed index or -1, errno or -1 for EOF)."""
+    off = np.ascontiguousarray(offsets, np.int64)
+    ln = np.ascontiguousarray(lengths, np.int64)
+    ex = np.ascontiguousarray(expect, np.int64)
+    do = np.ascontiguousarray(dst_offsets, np.int64)
+    code = ctypes.c_int(0)
+    idx = lib.gg_pread_pool(fd, _ptr(off), _ptr(ln), _ptr(ex), dst.ctypes.data, _ptr(do), off.shape[0], align,
+                            threads, inject[0], inject[1], ctypes.byref(code))
+    return int(idx), int(code.value)
+
+
+def madvise_ranges(lib, base_addr: int, offsets, lengths, advice: int) -> int:
+    off = np.ascontiguousarray(offsets, np.int64)
+    ln = np.ascontiguousarray(lengths, np.int64)
+    return lib.gg_madvise_ranges(base_addr, _ptr(off), _ptr(ln), off.shape[0], advice)

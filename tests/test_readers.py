@@ -1,0 +1,279 @@
+"""Every host reader is bit-exact over odd geometries; faults raise errors naming file and offset; no leaks."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import gds_gather as gg
+from gds_gather import native, readers, uring
+from gds_gather.storage import filesystem
+
+HOST = ["direct", "pread", "mmap", "readahead", "resident"]
+# (type, width): row bytes 2, 90, 170, 4080, 4096, 4097, 20000
+GEOMETRIES = [(Q.F16, 1), (Q.IQ4_NL, 160), (Q.Q8_0, 160), (Q.MXFP4, 7680), (Q.F32, 1024), (Q.MXFP4, 7712),
+              (Q.F16, 10000)]
+
+
+def table_file(tmp_path, ggufs, qtype, width, n_rows, seed=0, at_eof=True):
+    """A GGUF whose table is the last tensor; with at_eof the file ends exactly at the table's last byte."""
+    rng = np.random.default_rng(seed)
+    from gds_gather.quants import row_bytes
+    rows = rng.integers(0, 256, (n_rows, row_bytes(qtype, width)), dtype=np.uint8)
+    p = ggufs.write(tmp_path / f"t-{qtype.name}-{width}.gguf", rows, qtype)
+    if at_eof:
+        with gg.open_table(p) as t:
+            end = t.data_offset + t.n_bytes
+        os.truncate(p, end)
+    return p, rows
+
+
+def engine_configs():
+    return {"uring": gg.Config(engine="uring"), "threads": gg.Config(engine="threads")}
+
+
+@pytest.mark.parametrize("qtype,width", GEOMETRIES, ids=lambda x: getattr(x, "name", str(x)))
+def test_every_reader_exact_odd_geometries(tmp_path, ggufs, qtype, width):
+    from gds_gather.quants import row_bytes
+    rb = row_bytes(qtype, width)
+    n_rows = max(40, 300_000 // rb)
+    path, rows = table_file(tmp_path, ggufs, qtype, width, n_rows)
+    with gg.open_table(path) as t:
+        assert t.data_offset + t.n_bytes == os.path.getsize(path)      # the last row ends at EOF
+        off = t.data_offset + np.arange(n_rows) * rb
+        straddle = np.flatnonzero(off // 4096 != (off + rb - 1) // 4096)
+        rng = np.random.default_rng(1)
+        ids = np.concatenate([rng.integers(0, n_rows, 500), [n_rows - 1, 0, n_rows - 1], straddle[:50]])
+        rng.shuffle(ids)
+        ids = ids.reshape(-1, 1) if ids.size % 2 else ids.reshape(-1, 2)
+    for name, cfg in [("default", gg.Config())] + list(engine_configs().items()):
+        with gg.open_table(path, config=cfg) as t:
+            for backend in HOST:
+                got = t.read_rows(ids, backend)
+                assert got.shape == ids.shape + (rb,)
+                np.testing.assert_array_equal(got, rows[ids], err_msg=f"{backend} via {name}")
+
+
+def test_direct_uses_odirect_windows_and_io_uring(small_table):
+    ok, why = uring.probe()
+    with gg.open_table(small_table) as t:
+        t.read_rows([1, 2], "direct")
+        r = t._readers["direct"]
+        if filesystem(small_table) in readers.MEMORY_FILESYSTEMS:
+            assert not r.odirect
+        else:
+            assert r.odirect and r.align == t.align and "O_DIRECT" in r.how
+        assert ("io_uring" in r.how) == ok, (r.how, why)
+
+
+def test_python_pool_fallback_without_compiler(small_table, ggufs, monkeypatch):
+    monkeypatch.setattr(native, "library", lambda config=None: (None, "no C compiler (test)"))
+    ref = ggufs.reference(small_table)
+    with gg.open_table(small_table, config=gg.Config(engine="threads")) as t:
+        ids = np.random.default_rng(2).integers(0, t.n_rows, 400)
+        np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+        assert "Python thread pool" in t._readers["direct"].how
+        np.testing.assert_array_equal(t.gather(ids, "readahead"), ref[ids])
+
+
+def test_odirect_refused_falls_back_to_buffered(small_table, ggufs, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(readers.os, "open", no_direct)
+    ref = ggufs.reference(small_table)
+    with gg.open_table(small_table) as t:
+        ids = np.arange(t.n_rows)[::-3]
+        np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+        r = t._readers["direct"]
+        assert not r.odirect and "O_DIRECT refused" in r.how
+    assert any("O_DIRECT refused" in m for m in caplog.messages)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_tmpfs_table(small_table, ggufs):
+    dst = f"/dev/shm/gds-gather-test-{os.getpid()}.gguf"
+    shutil.copyfile(small_table, dst)
+    try:
+        ref = ggufs.reference(small_table)
+        with gg.open_table(dst) as t:
+            ids = np.random.default_rng(4).integers(0, t.n_rows, 300)
+            np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+            assert not t._readers["direct"].odirect
+    finally:
+        os.unlink(dst)
+
+
+# -- faults ------------------------------------------------------------------------------------------------
+
+def _direct(t, cfg_engine):
+    t.read_rows([0], "direct")
+    return t._readers["direct"]
+
+
+@pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
+class TestUringFaults:
+    def test_eintr_and_eagain_are_retried(self, small_table, ggufs):
+        seen = set()
+
+        def inject(res, idx):
+            first = np.array([i not in seen for i in idx.tolist()])
+            seen.update(idx.tolist())
+            res[first & (idx % 2 == 0)] = -errno.EINTR
+            res[first & (idx % 2 == 1)] = -errno.EAGAIN
+            return res
+        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+            r = _direct(t, "uring")
+            r.inject = inject
+            ids = np.arange(0, t.n_rows, 7)
+            np.testing.assert_array_equal(t.gather(ids, "direct"), ggufs.reference(small_table)[ids])
+            assert seen
+
+    def test_short_reads_are_resumed(self, small_table, ggufs):
+        calls = {"n": 0}
+
+        def inject(res, idx):
+            calls["n"] += 1
+            if calls["n"] <= 2:           # the first completions claim half (block-aligned down) of what came
+                res = np.where(res > 1024, res // 2, res)
+            return res
+        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+            r = _direct(t, "uring")
+            r.inject = inject
+            ids = np.arange(t.n_rows)
+            np.testing.assert_array_equal(t.gather(ids, "direct"), ggufs.reference(small_table)[ids])
+
+    def test_eio_raises_naming_file_and_offset(self, small_table):
+        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+            r = _direct(t, "uring")
+            r.inject = lambda res, idx: np.where(idx == idx.min(), -errno.EIO, res)
+            with pytest.raises(gg.ReadError, match=r"small\.gguf: read of \d+ bytes at offset \d+ failed: "
+                                                   r"Input/output error") as e:
+                t.gather([5, 250], "direct")
+            assert e.value.errno == errno.EIO
+
+    def test_unexpected_eof_raises(self, small_table):
+        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+            r = _direct(t, "uring")
+            r.inject = lambda res, idx: np.zeros_like(res)
+            with pytest.raises(gg.ReadError, match="unexpected end of file at offset"):
+                t.gather([5], "direct")
+
+
+class TestThreadPoolFaults:
+    @pytest.fixture
+    def t(self, small_table):
+        if native.library()[0] is None:
+            pytest.skip("no C compiler for the native thread pool")
+        with gg.open_table(small_table, config=gg.Config(engine="threads")) as t:
+            _direct(t, "threads")
+            yield t
+
+    @pytest.mark.parametrize("backend", ["direct", "pread"])
+    def test_eintr_retried_and_short_read_resumed(self, t, small_table, ggufs, backend):
+        t.read_rows([0], backend)
+        ref = ggufs.reference(small_table)
+        ids = np.arange(0, t.n_rows, 3)
+        for inj in ((0, errno.EINTR), (1, errno.EAGAIN), (0, -2)):
+            t._readers[backend].inject = inj
+            np.testing.assert_array_equal(t.gather(ids, backend), ref[ids])
+
+    @pytest.mark.parametrize("backend", ["direct", "pread"])
+    def test_eio_raises(self, t, backend):
+        t.read_rows([0], backend)
+        t._readers[backend].inject = (0, errno.EIO)
+        with pytest.raises(gg.ReadError, match=r"small\.gguf: read at offset \d+ failed: Input/output error"):
+            t.gather([3, 4], backend)
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_truncated_since_open(small_table, backend):
+    with gg.open_table(small_table) as t:
+        t.read_rows([1], backend)
+        size = os.path.getsize(small_table)
+        os.truncate(small_table, size - 5000)
+        if backend == "resident":      # already loaded: still serves the rows it holds
+            return
+        with pytest.raises(gg.ReadError, match="resized from"):
+            t.read_rows([t.n_rows - 1], backend)
+
+
+@pytest.mark.parametrize("backend", ["direct", "mmap"])
+def test_replaced_or_modified_since_open(small_table, tmp_path, backend):
+    with gg.open_table(small_table) as t:
+        t.read_rows([1], backend)
+        copy = tmp_path / "copy.gguf"
+        shutil.copyfile(small_table, copy)
+        os.replace(copy, small_table)
+        with pytest.raises(gg.ReadError, match="replaced"):
+            t.read_rows([2], backend)
+    with gg.open_table(small_table) as t:
+        t.read_rows([1], backend)
+        st = os.stat(small_table)
+        os.utime(small_table, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with pytest.raises(gg.ReadError, match="modified"):
+            t.read_rows([2], backend)
+
+
+def test_concurrent_use_of_one_reader_is_refused(small_table):
+    with gg.open_table(small_table) as t:
+        t.read_rows([1], "direct")
+        r = t._readers["direct"]
+        with r._lock:          # as if another thread were inside fetch()
+            with pytest.raises(gg.ReadError, match="already reading in another thread"):
+                t.read_rows([2], "direct")
+        t.read_rows([2], "direct")    # free again
+
+
+def test_threads_with_one_table_each(small_table, ggufs):
+    ref = ggufs.reference(small_table)
+    errors = []
+
+    def work(seed):
+        try:
+            with gg.open_table(small_table) as t:
+                ids = np.random.default_rng(seed).integers(0, t.n_rows, 2000)
+                for _ in range(20):
+                    np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+        except Exception as e:     # pragma: no cover - reported below
+            errors.append(e)
+    ths = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    assert not errors
+
+
+def _resources():
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return len(os.listdir("/proc/self/fd")), maps
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_no_fd_map_or_ring_leaks(small_table):
+    for backend in HOST:                       # warm up lazy imports and the native library
+        with gg.open_table(small_table) as t:
+            t.read_rows([0, 1], backend)
+    before = _resources()
+    for i in range(60):
+        with gg.open_table(small_table) as t:
+            for backend in HOST:
+                t.read_rows([i % t.n_rows, 3], backend)
+    with gg.open_table(small_table) as t:
+        ids = np.random.default_rng(0).integers(0, t.n_rows, (20_000, 2))
+        t.read_rows(ids[0], "direct")
+        first = _resources()
+        for row in ids:                        # many small gathers on one table: nothing grows
+            t.read_rows(row, "direct")
+        assert _resources() == first
+    after = _resources()
+    assert after[0] == before[0], (before, after)
+    assert after[1] <= before[1] + 2, (before, after)
