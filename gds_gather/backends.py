@@ -39,13 +39,32 @@ def _direct_how() -> str:
     return "io_uring" if ok else f"native thread pool ({why})"
 
 
+GDS_MIN_WINDOW = 64 << 10     # below this GPU-direct storage loses to O_DIRECT + pinned copy (anchors-perf.md)
+
+
+def gds_state() -> tuple[bool, bool, str]:
+    """(kvikio usable, real GPU-direct storage, why). Imports kvikio: call only on a GPU platform."""
+    if importlib.util.find_spec("kvikio") is None:
+        return False, False, "kvikio is not installed (pip install 'gds-gather[cuda13]')"
+    try:
+        import kvikio.cufile_driver
+        import kvikio.defaults
+        real = bool(kvikio.cufile_driver.get("is_gds_available"))
+        compat = kvikio.defaults.is_compat_mode_preferred()
+    except Exception as e:
+        return False, False, f"kvikio failed to initialise ({type(e).__name__}: {e})"
+    if real and not compat:
+        return True, True, "KvikIO/cuFile with real GPU-direct storage (nvidia-fs or P2PDMA)"
+    return True, False, ("KvikIO/cuFile in compat mode: no GPU-direct DMA here (no nvidia-fs/P2PDMA, "
+                         "or KvikIO prefers compat); reads go through a bounce buffer")
+
+
 def _gds(platform: Platform) -> Backend:
     if platform.kind != "discrete":
         return Backend("gds", False, f"needs a discrete NVIDIA GPU; platform is {platform.kind} ({platform.reason})",
                        "device")
-    if importlib.util.find_spec("kvikio") is None:
-        return Backend("gds", False, "kvikio is not installed (pip install 'gds-gather[cuda13]')", "device")
-    return Backend("gds", False, "the KvikIO/cuFile reader is not part of this version", "device")
+    ok, real, why = gds_state()
+    return Backend("gds", ok, why, "device")
 
 
 def backends(config: Config | None = None) -> list[Backend]:
@@ -77,3 +96,36 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
     if not table[name].available:
         raise BackendError(f"backend {name!r} is not available here: {table[name].reason}")
     return name, forced
+
+
+def resolve_device(backend: str, config: Config | None = None, window_bytes: int = 4096) -> tuple[str, str, str]:
+    """(backend, destination mode, why) for rows that must end in GPU memory.
+
+    mode: "copy" (pinned staging + one H2D copy), "zero-copy" (GPU-mapped host staging), or "gds".
+    """
+    cfg = config or Config.from_env()
+    plat = detect(cfg.platform)
+    if plat.kind == "cpu":
+        raise BackendError(f"GPU ids, but no usable GPU here: {plat.reason}")
+    host_mode = "zero-copy" if plat.kind == "unified" else "copy"
+    name = (backend or "auto").lower()
+    if name == "auto" and cfg.backend != "auto":
+        name = cfg.backend
+    if name == "gds":
+        ok, real, why = gds_state()
+        if not ok:
+            raise BackendError(f"backend 'gds' is not available here: {why}")
+        return "gds", "gds", why
+    if name != "auto":
+        if name not in HOST_READERS:
+            raise BackendError(f"unknown backend {name!r}; known: {', '.join([*HOST_READERS, 'gds'])}")
+        return name, host_mode, f"requested, into {host_mode} staging on a {plat.kind} platform"
+    if plat.kind == "unified":
+        return "direct", "zero-copy", f"unified memory ({plat.reason}): direct reads into GPU-mapped host memory"
+    if plat.kind == "rocm":
+        return "direct", "copy", "ROCm: direct reads into pinned host staging, then a HIP copy"
+    ok, real, why = gds_state()
+    if real and window_bytes >= GDS_MIN_WINDOW:
+        return "gds", "gds", f"{why}; windows of {window_bytes} B are large enough for GPU-direct reads"
+    reason = (f"real GDS present, but windows of {window_bytes} B are below {GDS_MIN_WINDOW} B" if real else why)
+    return "direct", "copy", f"discrete GPU: direct reads into pinned staging + one H2D copy ({reason})"

@@ -76,12 +76,17 @@ class Reader:
 
 
 class Staging:
-    """A page-aligned host buffer reused across batches (O_DIRECT needs aligned destinations); grows by doubling."""
+    """A page-aligned host buffer reused across batches (O_DIRECT needs aligned destinations); grows by doubling.
+
+    Hooks: on_grow(buf) after each (re)allocation (io_uring buffer registration), and `pin(buf)` /
+    `unpin(buf)` set by a GPU sink to page-lock the buffer for the GPU (see device.py).
+    """
 
     def __init__(self, on_grow=None):
         self._map = None
         self.buf = np.zeros(0, np.uint8)
         self.on_grow = on_grow
+        self.pin = self.unpin = None
 
     def ensure(self, nbytes: int) -> np.ndarray:
         if nbytes > self.buf.nbytes:
@@ -91,9 +96,13 @@ class Staging:
             self.buf = np.frombuffer(self._map, np.uint8)
             if self.on_grow:
                 self.on_grow(self.buf)
+            if self.pin:
+                self.pin(self.buf)
         return self.buf
 
     def close(self) -> None:
+        if self.unpin and self.buf.nbytes:
+            self.unpin(self.buf)
         self.buf = np.zeros(0, np.uint8)
         if self._map is not None:
             try:

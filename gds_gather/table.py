@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import quants
-from .backends import resolve
+from . import arrays, quants
+from .backends import resolve, resolve_device
 from .config import Config
 from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import field_value, find_tensor
@@ -19,16 +19,6 @@ from .storage import filesystem, logical_block_size
 log = logging.getLogger(__name__)
 
 DEFAULT_TENSOR = "per_layer_token_embd.weight"
-
-
-def _array_kind(x) -> str:
-    """'numpy', 'torch' (CPU tensor), 'torch-cuda', or 'cupy', without importing torch or cupy."""
-    mod = type(x).__module__.split(".")[0]
-    if mod == "cupy":
-        return "cupy"
-    if mod == "torch":
-        return "torch-cuda" if x.device.type != "cpu" else "torch"
-    return "numpy"
 
 
 def _dtype_name(dtype) -> str:
@@ -89,6 +79,7 @@ class Table:
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.align = self.config.align or logical_block_size(self.path)   # O_DIRECT window alignment
         self._readers: dict[str, Reader] = {}
+        self._sinks: dict = {}          # GPU destinations, created on first GPU use
         self.closed = False
 
     # -- metadata ------------------------------------------------------------------------------------------
@@ -130,14 +121,52 @@ class Table:
             log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
 
+    def fetch_device(self, plan: ReadPlan, backend: str = "auto", stream=None):
+        """Read the plan's rows into GPU memory: (device staging uint8, device byte offset of each unique row).
+
+        The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
+        place; they are valid until the next fetch on this table, which first waits for `stream`.
+        """
+        name, mode, why = resolve_device(backend, self.config, window_bytes=self._typical_window())
+        key = f"{name}@{mode}"
+        sink = self._sinks.get(key)
+        if sink is None:
+            from .device import DeviceSink, GdsReader
+            if mode == "gds":
+                sink = GdsReader(self.path, self.data_offset, self.n_bytes, config=self.config,
+                                 file_id=self.file_id)
+            else:
+                sink = DeviceSink(self._reader(name), mode)
+            log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, sink.how)
+            self._sinks[key] = sink
+        return sink.fetch(plan, stream)
+
+    def _typical_window(self) -> int:
+        return -(-self.row_bytes // self.align) * self.align
+
     def read_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:
         """Raw bytes of the plan's unique rows, uint8 [plan.n_unique, row_bytes], in plan order."""
         if plan.n_unique == 0:
             return np.empty((0, self.row_bytes), np.uint8)
         return self._reader(backend).read(plan)
 
-    def read_rows(self, ids, backend: str = "auto") -> np.ndarray:
-        """The raw quantized rows behind `ids`: uint8 of shape ids.shape + (row_bytes,)."""
+    def read_rows(self, ids, backend: str = "auto", *, stream=None):
+        """The raw quantized rows behind `ids`: uint8 of shape ids.shape + (row_bytes,).
+
+        numpy (or torch CPU) ids give host rows; cupy or torch CUDA ids give device rows of the same kind.
+        """
+        if arrays.is_device(ids):
+            import cupy as cp
+            plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
+            staging, offs = self.fetch_device(plan, backend, stream)
+            with arrays.cupy_stream(stream):
+                rows = staging[offs[:, None] + cp.arange(self.row_bytes)]
+                inv = cp.asarray(plan.inverse)
+                out = rows[inv].reshape(plan.shape + (self.row_bytes,))
+            return arrays.like(out, ids)
+        if arrays.kind(ids) == "torch":
+            import torch
+            return torch.from_numpy(self.read_rows(ids.numpy(), backend))
         plan = self.plan(ids)
         return self.read_plan(plan, backend)[plan.inverse].reshape(plan.shape + (self.row_bytes,))
 
@@ -148,7 +177,7 @@ class Table:
         GPU flavour (cupy or torch CUDA ids, result on the same device, launched on `stream`) arrives with the
         CUDA kernels; until then such ids raise BackendError.
         """
-        kind = _array_kind(ids)
+        kind = arrays.kind(ids)
         name = _dtype_name(dtype)
         if kind in ("cupy", "torch-cuda"):
             raise BackendError("GPU ids need the CUDA dequant kernels, which are not part of this version; "
@@ -170,8 +199,9 @@ class Table:
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        for r in self._readers.values():
+        for r in list(self._sinks.values()) + list(self._readers.values()):
             r.close()
+        self._sinks.clear()
         self._readers.clear()
         self._meta = None
         self.closed = True

@@ -1,0 +1,64 @@
+"""Array kinds (numpy, torch CPU, torch CUDA, cupy) and zero-copy conversion between them, imported lazily."""
+from __future__ import annotations
+
+
+def kind(x) -> str:
+    """'numpy', 'torch' (CPU tensor), 'torch-cuda', or 'cupy', without importing torch or cupy."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod == "torch":
+        return "torch-cuda" if x.device.type != "cpu" else "torch"
+    return "numpy"
+
+
+def is_device(x) -> bool:
+    return kind(x) in ("cupy", "torch-cuda")
+
+
+def to_cupy(x):
+    """A cupy view of a cupy array or torch CUDA tensor (DLPack, no copy)."""
+    import cupy
+    return x if kind(x) == "cupy" else cupy.from_dlpack(x)
+
+
+def like(arr, ref):
+    """`arr` (cupy) as the kind of `ref`: a torch tensor for torch ids (DLPack, no copy), else cupy."""
+    if kind(ref) == "torch-cuda":
+        import torch
+        return torch.from_dlpack(arr)
+    return arr
+
+
+def stream_ptr(stream) -> int:
+    """The raw CUDA stream handle of None (cupy's current), a cupy Stream, a torch Stream, or an int."""
+    if stream is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    for attr in ("ptr", "cuda_stream"):        # cupy.cuda.Stream, torch.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise TypeError(f"not a CUDA stream: {stream!r}")
+
+
+def cupy_stream(stream):
+    """A cupy Stream object for `stream` (wrapping a foreign handle without owning it)."""
+    import cupy
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    return cupy.cuda.ExternalStream(stream_ptr(stream)) if not hasattr(cupy.cuda.Stream, "from_external") \
+        else cupy.cuda.Stream.from_external(_HasStream(stream_ptr(stream)))
+
+
+class _HasStream:
+    """Adapter exposing __cuda_stream__ for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
