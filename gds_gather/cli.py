@@ -64,9 +64,10 @@ def cmd_make_model(args, cfg: Config) -> int:
 def cmd_prefill(args, cfg: Config) -> int:
     from .prefill import run_prefill
     result = run_prefill(args.model, cfg, prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch,
-                         backend=args.backend, progress=not args.json, log=print if not args.json else None)
+                         backend=args.backend, graph=not args.no_graph, cold=args.cold, trunk=args.trunk,
+                         dtype=args.dtype, progress=not args.json, log=print if not args.json else None)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
     return 0
 
 
@@ -95,11 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("prefill", help="the main job: gather the PLE rows of a real text prompt")
     s.add_argument("model", nargs="?", help="GGUF model (default: a small built-in qwen4exp model, built once)")
-    g = s.add_mutually_exclusive_group()
-    g.add_argument("--prompt", help="text file (default: the Python documentation topics)")
+    s.add_argument("--prompt", help="text file (default: the Python documentation topics)")
     s.add_argument("--tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
     s.add_argument("--ubatch", type=int, default=2048)
     s.add_argument("--backend", default=None, help="force a backend (default: auto, or GDS_GATHER_BACKEND)")
+    s.add_argument("--cold", action="store_true", help="drop the page cache first (root), else evict the file")
+    s.add_argument("--no-graph", action="store_true", help="run the GPU steps eagerly (no CUDA graph)")
+    s.add_argument("--trunk", choices=("real", "tiny", "none"),
+                   help="synthetic trunk: real shapes (GPU default), tiny (CPU default), none (CPU: fetch only)")
+    s.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                   help="GPU dequant output and trunk dtype")
     s.add_argument("--json", action="store_true", help="end with one JSON line")
     s.set_defaults(func=cmd_prefill)
     return p

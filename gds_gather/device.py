@@ -140,11 +140,14 @@ class GdsReader:
         self.odirect = True
         self.bytes_read = 0
 
-    def fetch(self, plan: ReadPlan, stream=None):
+    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
+        """wait=False: the caller guarantees nothing still reads the device staging (the prefill's double
+        buffering waits on its own event per slot)."""
         cp = _cp()
         self._base.check_file()
         s = arrays.cupy_stream(stream)
-        s.synchronize()      # cuFile is not stream-ordered: queued work must be done before we overwrite
+        if wait:
+            s.synchronize()  # cuFile is not stream-ordered: queued work must be done before we overwrite
         dev = self.dev.ensure(plan.window_bytes)
         size = self._base.file_size
         futures = []

@@ -5,7 +5,6 @@ gemma's token rows), plans the deduplicated reads, reads and dequantizes them ex
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,63 +56,63 @@ class RowMapper:
 
 
 def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
-                ubatch: int = 2048, backend: str | None = None, progress: bool = True, log=print) -> dict:
-    """Gather the PLE rows of a prompt, ubatch by ubatch, and return the measured figures."""
+                ubatch: int = 2048, backend: str | None = None, graph: bool = True, cold: bool = False,
+                trunk: str | None = None, dtype: str = "bfloat16", seed: int = 0, progress: bool = True,
+                log=print, collect: bool = False, tokens_override=None) -> dict:
+    """Run the prefill: on the GPU (graph-captured fetch-dequant + trunk) where there is one, else on the CPU.
+
+    trunk: 'real' (the preset's shapes; default on a GPU), 'tiny' (default on the CPU, where real shapes would
+    take minutes per ubatch) or 'none' (CPU only: the PLE fetch alone). collect=True returns each ubatch's
+    per-layer inputs and hidden states under "outputs" (tests); tokens_override replaces the prompt.
+    """
+    from . import measure
+    from .pipeline import CpuPrefill, GpuPrefill
+    from .platform import detect
     cfg = cfg or Config.from_env()
     if ubatch <= 0:
         raise ValueError(f"--ubatch must be > 0, got {ubatch}")
     path = Path(model) if model else default_model(cfg, progress)
-    from .backends import resolve
-    backend_name, why = resolve(backend or "auto", cfg)
+    plat = detect(cfg.platform)
+    gpu = plat.kind != "cpu"
+    trunk = trunk or ("real" if gpu else "tiny")
     with open_table(path, config=cfg) as t:
         mapper = RowMapper(t)
-        tokens = prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens)
+        tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
+                  prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens))
+        if cold and not measure.drop_caches():
+            measure.evict_file(t.path)
+        cache0 = measure.resident_bytes(t.path)
+        if gpu:
+            pipe = GpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, graph=graph, dtype=dtype,
+                              seed=seed, trunk=trunk, config=cfg)
+        else:
+            pipe = CpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, seed=seed, trunk=trunk, config=cfg)
         n_ub = -(-tokens.size // ubatch)
         if log:
             log(f"model     {path} ({t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x {t.row_bytes} B)")
             log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}), "
-                f"{n_ub} ubatches of {ubatch}")
-            log(f"backend   {backend_name}: {why}")
-            log("pipeline  CPU (no GPU path in this version): plan -> read -> dequantize on the host, no CUDA graph")
-        ids_total = unique_total = window_bytes = 0
-        t_index = t_gather = 0.0
-        out_elems = 0
-        t0 = time.perf_counter()
-        bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
-        for k in range(n_ub):
-            tok = tokens[k * ubatch:(k + 1) * ubatch]
-            a = time.perf_counter()
-            rows = mapper(tok)
-            b = time.perf_counter()
-            plan = t.plan(rows)
-            x = t.gather_plan(plan, backend_name)
-            c = time.perf_counter()
-            t_index += b - a
-            t_gather += c - b
-            ids_total += plan.n_ids
-            unique_total += plan.n_unique
-            window_bytes += plan.window_bytes
-            out_elems += x.size
-            bar.update(tok.size)
-        bar.close()
-        wall = time.perf_counter() - t0
-        res = {
-            "model": str(path), "arch": t.arch, "qtype": t.qtype.name, "backend": backend_name,
-            "backend_reason": why, "pipeline": "cpu", "graph": False,
-            "tokens": int(tokens.size), "ubatch": ubatch, "ubatches": n_ub,
-            "ple_rows": ids_total, "unique_rows": unique_total,
-            "useful_bytes": unique_total * t.row_bytes, "window_bytes": window_bytes,
-            "read_amplification_odirect": (window_bytes / (unique_total * t.row_bytes)) if unique_total else 0.0,
-            "seconds": wall, "index_seconds": t_index, "gather_seconds": t_gather,
-            "tok_per_s": tokens.size / wall if wall else 0.0,
-            "rows_per_s": ids_total / t_gather if t_gather else 0.0,
-            "unique_rows_per_s": unique_total / t_gather if t_gather else 0.0,
-            "output_elements": out_elems,
-        }
+                f"{n_ub} ubatches of {ubatch}{', cold cache' if cold else ''}")
+            log(f"platform  {plat.kind}: {plat.reason}")
+            log(f"backend   {pipe.backend}: {pipe.why}")
+            log(f"pipeline  " + (f"GPU, {'CUDA graph per ubatch size' if graph else 'eager (no graph)'}, "
+                                 f"{pipe.how}, trunk {trunk} ({dtype})" if gpu else
+                                 f"CPU (no GPU here): read -> gguf dequantize -> torch CPU trunk ({trunk}), no graph"))
+        try:
+            bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
+            res = pipe.run(tokens, progress=bar.update, collect=collect)
+            bar.close()
+        finally:
+            pipe.close()
+        growth = measure.resident_bytes(t.path) - cache0
+        res.update(model=str(path), arch=t.arch, qtype=t.qtype.name, cold=cold, trunk=trunk,
+                   platform=plat.kind, page_cache_growth_bytes=growth)
     if log:
-        log(f"result    {res['tokens']:,} tokens in {wall:.3f} s = {res['tok_per_s']:,.0f} tok/s; "
-            f"{ids_total:,} PLE rows ({unique_total:,} unique after per-ubatch dedup, "
-            f"{unique_total / max(ids_total, 1):.1%}) at {res['rows_per_s']:,.0f} rows/s")
-        log(f"bytes     {res['useful_bytes']:,} useful; an O_DIRECT reader would read {window_bytes:,} "
-            f"({res['read_amplification_odirect']:.1f}x); row-index time {t_index:.3f} s, gather {t_gather:.3f} s")
+        share = res.get("ple_wait_share")
+        log(f"result    {res['tokens']:,} tokens in {res['seconds']:.3f} s = {res['tok_per_s']:,.0f} tok/s; "
+            f"{res['ple_rows']:,} PLE rows at {res['rows_per_s']:,.0f} rows/s "
+            f"({res['unique_rows']:,} unique after per-ubatch dedup, {res['unique_rows'] / max(res['ple_rows'], 1):.1%})")
+        log(f"bytes     {res['bytes_read']:,} read for {res['useful_bytes']:,} useful "
+            f"(read amplification {res['read_amplification']:.1f}x); page cache +{growth / 2**20:.1f} MiB")
+        log(f"time      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s"
+            + (f"; PLE step (wait + copy + dequant) {share:.1%} of wall time" if share is not None else ""))
     return res

@@ -53,6 +53,18 @@ def _libc():
     return libc
 
 
+_BARRIER_MUTEX = ctypes.create_string_buffer(64)
+
+
+def full_barrier() -> None:
+    """A full memory barrier callable from Python (lock + unlock of a private pthread mutex): needed on
+    weakly ordered CPUs (arm64: GB10, Grace) between reading a ring tail and its entries, or between filling
+    a buffer and publishing a flag."""
+    libc = _libc()
+    libc.pthread_mutex_lock(_BARRIER_MUTEX)
+    libc.pthread_mutex_unlock(_BARRIER_MUTEX)
+
+
 def _sys(nr: int, *args) -> int:
     while True:
         r = _libc().syscall(ctypes.c_long(nr), *args)
@@ -106,9 +118,6 @@ class Ring:
         except BaseException:
             self.close()
             raise
-        # Reading the tail and then the entries needs acquire ordering on weakly ordered CPUs (GB10 is arm64):
-        # a pthread mutex lock/unlock pair is a full barrier callable from Python.
-        self._barrier_mutex = ctypes.create_string_buffer(64)
         self._lock = threading.Lock()
         self.buffer_registered = False
         self.files_registered = False
@@ -141,11 +150,6 @@ class Ring:
             return False
         self.files_registered = True
         return True
-
-    def _barrier(self) -> None:
-        libc = _libc()
-        libc.pthread_mutex_lock(self._barrier_mutex)
-        libc.pthread_mutex_unlock(self._barrier_mutex)
 
     # -- the batched read loop -----------------------------------------------------------------------------
     def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
@@ -213,7 +217,7 @@ class Ring:
             m = (tail - head) & 0xFFFFFFFF
             if m == 0:
                 continue
-            self._barrier()
+            full_barrier()      # acquire: the entries up to `tail` are visible (arm64)
             h0 = head & cmask
             sl = slice(h0, h0 + m) if h0 + m <= cmask + 1 else (head + ramp[:m]) & cmask
             idx = c_ud[sl].astype(np.int64)

@@ -1,0 +1,65 @@
+"""What lets the fetch-dequant step live inside a CUDA graph: a host flag the graph waits on.
+
+The host reads a ubatch's rows into pinned staging while the GPU computes the previous ubatch; the captured
+graph starts with a stream wait-value node on a pinned int32 flag (cuStreamWaitValue32), so each replay blocks
+on the GPU until the host writes 1, then copies, dequantizes and computes, and re-arms the flag to 0 with a
+write-value node. No host callback and no cuFile call is inside the graph (measured-facts.md: both capture and
+replay under torch.cuda.graph through the versioned `_v2` driver symbols).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from .errors import BackendError
+from .uring import full_barrier
+
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+
+
+@functools.cache
+def _libcuda():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise BackendError(f"libcuda.so.1 is not loadable: {e}") from None
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise BackendError(f"{what} failed with CUresult {rc}")
+
+
+class HostFlags:
+    """`n` int32 flags in page-locked, GPU-mapped host memory: the host sets them, captured nodes wait on them."""
+
+    def __init__(self, n: int = 2):
+        import cupy as cp
+        self._mem = cp.cuda.alloc_pinned_memory(4 * n)        # cudaHostAlloc: portable, mapped (UVA)
+        self.host = np.frombuffer(self._mem, np.int32, n)
+        self.host[:] = 0
+        attrs = cp.cuda.runtime.pointerGetAttributes(self._mem.ptr)
+        self.dev_ptr = int(attrs.devicePointer)
+
+    def wait(self, stream_handle: int, i: int, value: int = 1) -> None:
+        """Enqueue (or capture) a wait until flag i == value."""
+        _check(_libcuda().cuStreamWaitValue32_v2(ctypes.c_void_p(stream_handle), self.dev_ptr + 4 * i, value,
+                                                 CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
+
+    def write(self, stream_handle: int, i: int, value: int) -> None:
+        """Enqueue (or capture) a GPU write of `value` into flag i."""
+        _check(_libcuda().cuStreamWriteValue32_v2(ctypes.c_void_p(stream_handle), self.dev_ptr + 4 * i, value,
+                                                  CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+    def set(self, i: int, value: int = 1) -> None:
+        """Host side: release the GPU; a barrier first makes every staging write visible before the flag."""
+        full_barrier()
+        self.host[i] = value

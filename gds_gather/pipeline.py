@@ -1,0 +1,358 @@
+"""The prefill pipeline: per ubatch, PLE row ids -> planned reads -> dequant-scatter -> trunk.
+
+GPU (graph=True): two staging slots; while the GPU runs ubatch k-1, the host computes ubatch k's row ids, plans
+and reads them into slot k%2, fills the slot's pinned index buffers and sets the slot's flag. One CUDA graph per
+(ubatch size, slot) holds everything else: the wait on the flag, the copies of tokens/indices (and, with a
+discrete GPU, of the compacted rows) from pinned memory, the dequant-scatter kernel, the flag re-arm, the
+per-layer-input math and every trunk layer. Unified memory: the kernel reads the rows in place from GPU-mapped
+staging (no copy). gds: cuFile reads into device staging complete before the replay (cuFile cannot be inside a
+graph) and the graph holds the rest. graph=False runs the same steps eagerly (still overlapped).
+
+CPU (no GPU): the same steps in order on the host, with gguf's dequantizer and a torch CPU trunk; no graph.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import quants
+from .backends import resolve, resolve_device
+from .config import Config
+from .readers import HOST_READERS, rows_from_windows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stats:
+    tokens: int = 0
+    ple_rows: int = 0
+    unique_rows: int = 0
+    useful_bytes: int = 0
+    bytes_read: int = 0
+    io_seconds: float = 0.0            # host time inside reads
+    index_seconds: float = 0.0         # host time computing row ids and plans
+    ple_gpu_ms: list = field(default_factory=list)   # per ubatch: wait + copies + dequant on the GPU
+
+    def as_dict(self, wall: float) -> dict:
+        ple_ms = sum(self.ple_gpu_ms) if self.ple_gpu_ms else None
+        return {
+            "tokens": self.tokens, "ple_rows": self.ple_rows, "unique_rows": self.unique_rows,
+            "useful_bytes": self.useful_bytes, "bytes_read": self.bytes_read,
+            "read_amplification": self.bytes_read / self.useful_bytes if self.useful_bytes else 0.0,
+            "seconds": wall, "tok_per_s": self.tokens / wall if wall else 0.0,
+            "rows_per_s": self.ple_rows / wall if wall else 0.0,
+            "io_seconds": self.io_seconds, "index_seconds": self.index_seconds,
+            "ple_wait_share": (ple_ms / 1e3 / wall) if ple_ms is not None and wall else None,
+        }
+
+
+def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
+    """The synthetic trunk matching the table's model (real shapes, or tiny for the CPU)."""
+    from .model import PRESETS, Trunk, TrunkConfig
+    if table.arch == "qwen4exp":
+        preset = PRESETS["qwen4exp"]
+    else:
+        n_layer = table.row_elems // 256
+        candidates = [p for p in PRESETS.values() if p.arch == table.arch and p.n_layer == n_layer]
+        preset = candidates[0] if candidates else next(p for p in PRESETS.values() if p.arch == "gemma4")
+    if trunk == "tiny":
+        cfg = TrunkConfig.tiny(preset.arch, ple_width=table.row_elems * mapper.rows_per_token,
+                               n_layer=max(1, table.row_elems // 256) if preset.arch != "qwen4exp" else None)
+    else:
+        cfg = TrunkConfig.from_preset(preset)
+    return Trunk(cfg, seed=seed, device=device, dtype=dtype)
+
+
+class GpuPrefill:
+    """The graph-captured GPU pipeline (see the module docstring)."""
+
+    def __init__(self, table, mapper, *, backend="auto", ubatch=2048, graph=True, dtype="bfloat16", seed=0,
+                 trunk="real", config: Config | None = None):
+        import torch
+        from . import dequant_gpu
+        from .graph import HostFlags
+        self.torch, self.kern = torch, dequant_gpu
+        self.t, self.mapper, self.graph, self.ubatch = table, mapper, graph, ubatch
+        self.cfg = config or table.config
+        self.dev = torch.device("cuda")
+        self.tdtype = getattr(torch, dtype)
+        self.dtype = dtype
+        self.R = mapper.rows_per_token
+        self.N = ubatch * self.R
+        rb = table.row_bytes
+        name, mode, self.why = resolve_device(backend, self.cfg, table._typical_window())
+        if name == "resident":
+            mode = "resident"
+        self.backend, self.mode = name, mode
+        self.stream = torch.cuda.Stream()
+        self.trunk = _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
+        # kernel geometry: gemma writes [n_layer, T, 256] scaled by sqrt(256); qwen4exp [T*16, 160] unscaled
+        self.gemma = table.arch != "qwen4exp"
+        self.kargs = (dict(layout="per_layer", n_layer=table.row_elems // 256, scale=16.0) if self.gemma
+                      else dict(layout="flat"))
+        pin = dict(pin_memory=True)
+        self.tokens_pin = [torch.zeros(ubatch, dtype=torch.int64, **pin) for _ in range(2)]
+        self.inv_pin = [torch.zeros(self.N, dtype=torch.int32, **pin) for _ in range(2)]
+        self.offs_pin = [torch.zeros(self.N, dtype=torch.int64, **pin) for _ in range(2)]
+        self.tokens_d = torch.zeros(ubatch, dtype=torch.int64, device=self.dev)
+        self.inv_d = torch.zeros(self.N, dtype=torch.int32, device=self.dev)
+        self.offs_d = torch.zeros(self.N, dtype=torch.int64, device=self.dev)
+        self.flags = HostFlags(2)
+        self.events = [None, None]
+        self.readers, self.staging_views = [], []
+        win = (-(-rb // table.align) + 1) * table.align          # worst case: a row straddles two blocks
+        if mode == "gds":
+            from .device import GdsReader
+            for _ in range(2):
+                r = GdsReader(table.path, table.data_offset, table.n_bytes, config=self.cfg, file_id=table.file_id)
+                self.staging_views.append(torch.as_tensor(r.dev.ensure(self.N * win), device=self.dev))
+                self.readers.append(r)
+        elif mode == "resident":        # the upper bound: the whole table in device memory, no I/O at all
+            data = np.fromfile(table.path, np.uint8, table.n_bytes, offset=table.data_offset)
+            self.table_d = torch.from_numpy(data).to(self.dev)
+            self.staging_views = [self.table_d, self.table_d]
+        else:
+            from .device import DeviceSink
+            for _ in range(2):
+                r = HOST_READERS[name](table.path, table.data_offset, table.n_bytes, config=self.cfg,
+                                       file_id=table.file_id)
+                if mode == "zero-copy" and not hasattr(r, "staging"):
+                    mode = self.mode = "copy"
+                self.readers.append(r)
+            if mode == "zero-copy":
+                for r in self.readers:
+                    sink = DeviceSink(r, "zero-copy")
+                    host = r.staging.ensure(self.N * (win if r.odirect else rb))   # fixed address from now on
+                    self.staging_views.append(torch.as_tensor(sink._device_view(host), device=self.dev))
+            else:   # copy: the host compacts rows into pinned memory; the graph copies N x row_bytes up
+                self.rows_pin = [torch.zeros(self.N * rb, dtype=torch.uint8, **pin) for _ in range(2)]
+                self.rows_d = torch.zeros(self.N * rb, dtype=torch.uint8, device=self.dev)
+                self.offs_compact = torch.arange(self.N, dtype=torch.int64, device=self.dev) * rb
+        self.graphs: dict = {}
+        self.g_events: dict = {}
+        self.stats = Stats()
+        self.how = f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
+
+    # -- the device step: everything that is captured -----------------------------------------------------------
+    def _step(self, n: int, s: int, wait: bool, ev=None):
+        torch, t = self.torch, self.t
+        stream = torch.cuda.current_stream()
+        h = stream.cuda_stream
+        if ev is not None:
+            ev[0].record(stream)
+        if wait:
+            self.flags.wait(h, s, 1)
+        N = n * self.R
+        self.tokens_d[:n].copy_(self.tokens_pin[s][:n], non_blocking=True)
+        self.inv_d[:N].copy_(self.inv_pin[s][:N], non_blocking=True)
+        if self.mode == "copy":
+            nb = N * t.row_bytes
+            self.rows_d[:nb].copy_(self.rows_pin[s][:nb], non_blocking=True)
+            staging, offs = self.rows_d, self.offs_compact
+        else:
+            self.offs_d[:N].copy_(self.offs_pin[s][:N], non_blocking=True)
+            staging, offs = self.staging_views[s], self.offs_d
+        rows = self.kern.gather_rows(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype,
+                                     stream=stream, **self.kargs)
+        if wait:
+            self.flags.write(h, s, 0)
+        if ev is not None:
+            ev[1].record(stream)
+        tok = self.tokens_d[:n]
+        h0 = self.trunk.embed(tok)
+        ple = self.trunk.ple_inputs(rows if self.gemma else rows.view(n, -1), h0)
+        return ple, self.trunk(tok, ple)
+
+    def _graph(self, n: int, s: int):
+        key = (n, s)
+        if key not in self.graphs:
+            torch = self.torch
+            self.kern.warmup([self.t.qtype], dtypes=(self.dtype,), index_dtypes=("int32",))
+            with torch.cuda.stream(self.stream):
+                for _ in range(2):               # warm up outside capture (allocations, autotuning, JIT)
+                    self._step(n, s, wait=False)
+            self.stream.synchronize()
+            try:
+                ev = (torch.cuda.Event(enable_timing=True, external=True),
+                      torch.cuda.Event(enable_timing=True, external=True))
+            except TypeError:
+                ev = None
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=self.stream):
+                out = self._step(n, s, wait=True, ev=ev)
+            self.graphs[key] = (g, out)
+            self.g_events[key] = ev
+        return self.graphs[key]
+
+    # -- the host side ----------------------------------------------------------------------------------------
+    def _stage(self, tok: np.ndarray, s: int) -> None:
+        """Row ids, plan, reads and the slot's pinned buffers for one ubatch (host only, no CUDA call)."""
+        t, st = self.t, self.stats
+        a = time.perf_counter()
+        ids = self.mapper(tok)
+        plan = t.plan(ids)
+        b = time.perf_counter()
+        n, N = tok.shape[0], plan.n_ids
+        if self.mode == "resident":
+            offs = plan.row_offsets - t.data_offset
+        elif self.mode == "gds":
+            _, d_offs = self.readers[s].fetch(plan, wait=False)
+            offs = plan.row_staging
+        else:
+            staging, offs = self.readers[s].fetch(plan)
+            if self.mode == "copy":
+                rows = rows_from_windows(staging, plan) if self.readers[s].odirect else \
+                    staging[:plan.n_unique * t.row_bytes].reshape(plan.n_unique, t.row_bytes)
+                self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
+        c = time.perf_counter()
+        self.tokens_pin[s].numpy()[:n] = tok
+        self.inv_pin[s].numpy()[:N] = plan.inverse
+        if self.mode != "copy":
+            self.offs_pin[s].numpy()[:plan.n_unique] = offs
+        st.tokens += n
+        st.ple_rows += N
+        st.unique_rows += plan.n_unique
+        st.useful_bytes += plan.exact_bytes
+        st.index_seconds += b - a
+        st.io_seconds += c - b
+
+    def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
+        torch = self.torch
+        ub = [tokens[k:k + self.ubatch] for k in range(0, tokens.size, self.ubatch)]
+        if self.graph:                       # capture before the clock starts (one graph per size and slot)
+            for n in sorted({u.size for u in ub}):
+                for s in (0, 1):
+                    self._graph(n, s)
+        for r in self.readers:
+            r.bytes_read = 0
+        outs = []
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            for k, tok in enumerate(ub):
+                s = k % 2
+                if self.events[s] is not None:
+                    self.events[s].synchronize()          # ubatch k-2 is done with slot s
+                    self._collect_timing(k - 2, ub, s)
+                if self.graph and self.mode == "gds":  # cuFile reads complete before the replay
+                    self._stage(tok, s)
+                    self.flags.set(s, 1)
+                    g, out = self._graph(tok.size, s)
+                    g.replay()
+                elif self.graph:
+                    g, out = self._graph(tok.size, s)
+                    g.replay()                            # waits on the GPU for flag s
+                    self._stage(tok, s)                   # the reads overlap ubatch k-1's compute
+                    self.flags.set(s, 1)
+                else:
+                    self._stage(tok, s)
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    out = self._step(tok.size, s, wait=False, ev=ev)
+                    self.g_events[("eager", s)] = ev
+                e = torch.cuda.Event()
+                e.record(self.stream)
+                self.events[s] = e
+                if collect:
+                    outs.append(tuple(x.clone() for x in out))
+                if progress:
+                    progress(tok.size)
+            self.stream.synchronize()
+        wall = time.perf_counter() - t0
+        for k in (len(ub) - 2, len(ub) - 1):
+            if k >= 0:
+                self._collect_timing(k, ub, k % 2)
+        self.stats.bytes_read += sum(r.bytes_read for r in self.readers)
+        res = self.stats.as_dict(wall)
+        res.update(pipeline="gpu", graph=self.graph, backend=self.backend, destination=self.mode,
+                   backend_reason=self.why, how=self.how, ubatch=self.ubatch, ubatches=len(ub))
+        if collect:
+            res["outputs"] = [tuple(x.float().cpu() for x in o) for o in outs]
+        return res
+
+    def _collect_timing(self, k: int, ub, s: int) -> None:
+        if k < 0:
+            return
+        ev = self.g_events.get(("eager", s)) if not self.graph else self.g_events.get((ub[k].size, s))
+        if ev:
+            try:
+                self.stats.ple_gpu_ms.append(ev[0].elapsed_time(ev[1]))
+            except RuntimeError:
+                pass
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+        self.readers = []
+
+
+class CpuPrefill:
+    """The same steps on the host: reads, gguf's dequantizer, the per-layer math and a torch CPU trunk."""
+
+    def __init__(self, table, mapper, *, backend="auto", ubatch=2048, seed=0, trunk="tiny",
+                 config: Config | None = None, **_):
+        import torch
+        self.torch, self.t, self.mapper, self.ubatch = torch, table, mapper, ubatch
+        self.backend, self.why = resolve(backend, config or table.config)
+        self.trunk = None if trunk == "none" else _trunk_for(table, mapper, torch.device("cpu"), torch.float32,
+                                                             trunk, seed)
+        self.gemma = table.arch != "qwen4exp"
+        self.stats = Stats()
+        self.how = f"{self.backend} (host)"
+
+    def per_layer_rows(self, rows_f32: np.ndarray, n: int):
+        """Kernel-equivalent layout: gemma [n_layer, T, 256] x 16; qwen4exp [T, 16*160]."""
+        torch = self.torch
+        x = torch.from_numpy(rows_f32)
+        if self.gemma:
+            n_layer = self.t.row_elems // 256
+            return (x.view(n, n_layer, 256) * 16.0).permute(1, 0, 2).contiguous()
+        return x.view(n, -1)
+
+    def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
+        torch, t, st = self.torch, self.t, self.stats
+        outs = []
+        t0 = time.perf_counter()
+        for k in range(0, tokens.size, self.ubatch):
+            tok = tokens[k:k + self.ubatch]
+            a = time.perf_counter()
+            ids = self.mapper(tok)
+            plan = t.plan(ids)
+            b = time.perf_counter()
+            r = t._reader(self.backend)
+            before = r.bytes_read
+            raw = t.read_plan(plan, self.backend)
+            c = time.perf_counter()
+            rows = quants.dequantize_rows(raw, t.qtype, t.row_elems)[plan.inverse]
+            st.tokens += tok.size
+            st.ple_rows += plan.n_ids
+            st.unique_rows += plan.n_unique
+            st.useful_bytes += plan.exact_bytes
+            st.bytes_read += r.bytes_read - before
+            st.index_seconds += b - a
+            st.io_seconds += c - b
+            if self.trunk is not None:
+                with torch.no_grad():
+                    tk = torch.from_numpy(tok.astype(np.int64))
+                    ple = self.trunk.ple_inputs(self.per_layer_rows(rows, tok.size), self.trunk.embed(tk))
+                    hid = self.trunk(tk, ple)
+                if collect:
+                    outs.append((ple.clone(), hid.clone()))
+            elif collect:
+                outs.append((torch.from_numpy(rows), None))
+            if progress:
+                progress(tok.size)
+        wall = time.perf_counter() - t0
+        res = st.as_dict(wall)
+        res.update(pipeline="cpu", graph=False, backend=self.backend, destination="host",
+                   backend_reason=self.why, how=self.how, ubatch=self.ubatch,
+                   ubatches=math.ceil(tokens.size / self.ubatch) if tokens.size else 0)
+        if collect:
+            res["outputs"] = outs
+        return res
+
+    def close(self) -> None:
+        pass
