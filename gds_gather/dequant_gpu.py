@@ -10,9 +10,12 @@ the caller's stream, never synchronizing. Host path: ``kernels/host_check.cu`` c
 into a small shared library loaded with ctypes; it runs the very same per-type dequantizers and the gather's
 per-item routine, which is how the kernels are checked bit for bit on machines without a GPU.
 
-Exactness: every type follows gguf.quants' float32 operation order, and the source is compiled without
-floating-point contraction (NVRTC ``--fmad=false``, g++ ``-ffp-contract=off``) and without flushing
-denormals (``--ftz=false``), so float32 output equals ``gguf.quants.dequantize`` bit for bit. float16 and
+Exactness: every type follows gguf.quants' float32 operation order. Products followed by an add are exact
+(fp16 scale x small integer), so FMA contraction cannot change a result, and the sources are compiled without
+it anyway (NVRTC ``--fmad=false``, g++ ``-ffp-contract=off``). The products that can meet subnormals (MXFP4
+with e8m0 exponent 0 or 1, the output scale) use an explicit ``mul.rn.f32`` on the device, so CuPy's
+``-ftz=true`` (appended to every NVRTC compile) cannot flush them. float32 output therefore equals
+``gguf.quants.dequantize`` bit for bit, and the GPU tests compare exactly (no ulp tolerance). float16 and
 bfloat16 outputs round the (scaled) float32 value to nearest even, as numpy ``astype(float16)`` and torch
 ``.to(bfloat16)`` do; only NaN payloads may differ (sm_80+ conversion instructions write a canonical NaN).
 
@@ -42,7 +45,8 @@ Q = GGMLQuantizationType
 
 KERNEL_SOURCES = ("dequant.cuh", "gather.cu")
 HOST_SOURCE = "host_check.cu"
-# NVRTC options: no FMA contraction, denormals kept (exactness, see the module docstring).
+# NVRTC options: no FMA contraction, denormals kept. CuPy appends -ftz=true after these (cupy/cuda/compiler.py),
+# and the last -ftz wins; the kernels do not depend on it (see dequant.cuh, gg_mul).
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false")
 # g++ options for the host check: no contraction, no fast math (x86-64 float math is SSE: no excess precision).
 HOST_CXX_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
@@ -146,10 +150,20 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def _index_name(index_dtype) -> str:
+    name = str(index_dtype).replace("torch.", "")
+    if name not in INDEX_CTYPES:
+        try:
+            name = np.dtype(index_dtype).name
+        except TypeError:
+            pass
+    return name
+
+
 def kernel_name(qtype, dtype="float32", index_dtype="int64") -> str:
     """The C++ name expression of one kernel instance, e.g. 'gg_gather<20, 1, long long>'."""
     qt = quants.check_supported(qtype)
-    idx = str(np.dtype(str(index_dtype).replace("torch.", "")))
+    idx = _index_name(index_dtype)
     if idx not in INDEX_CTYPES:
         raise TypeError(f"inverse indices must be int32 or int64, got {index_dtype!r}")
     return f"gg_gather<{int(qt)}, {OUT_DTYPES[_dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
@@ -220,7 +234,7 @@ def warmup(qtypes, dtypes=("float32", "float16", "bfloat16"), index_dtypes=("int
             q = quants.check_supported(qt)
             for d in dtypes:
                 for i in index_dtypes:
-                    _kernel(int(q), _dtype_name(d), str(np.dtype(i))).kernel   # forces compile + module load
+                    _kernel(int(q), _dtype_name(d), _index_name(i)).kernel   # forces compile + module load
 
 
 class _StreamRef:
@@ -276,6 +290,8 @@ def _geometry(qtype, row_elems: int, layout: str, n_layer):
     qt = quants.check_supported(qtype)
     row_elems = int(row_elems)
     rb = quants.row_bytes(qt, row_elems)                 # raises RowWidthError
+    if row_elems >= 2**28:
+        raise RowWidthError(f"row_elems={row_elems} is beyond what the kernels index (2^28)")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "flat":
@@ -292,15 +308,26 @@ def _out_shape(inv_shape: tuple, n: int, row_elems: int, seg: int, layout: str) 
 
 
 def launch_config(n_rows: int, row_elems: int, n_sm: int) -> tuple[int, int]:
-    """(grid size, rows per CTA) of one gather: ~ITEMS_PER_CTA items per CTA, fewer when that leaves SMs idle."""
+    """(grid size, rows per CTA) of one gather.
+
+    About ITEMS_PER_CTA 8-element items per CTA, fewer when that would leave resident CTA slots empty; among
+    nearby row counts, the one whose items fill the CTA's 256 threads best (the last loop round of a CTA runs
+    partly idle otherwise: 1344 items of a gemma row are 5.25 rounds).
+    """
     items = -(-row_elems // ITEM)
     total = n_rows * items
-    per_cta = ITEMS_PER_CTA
     min_ctas = 8 * max(1, n_sm)                          # 8 resident CTAs of 256 threads fill an SM
-    if total < per_cta * min_ctas:
-        per_cta = max(BLOCK, total // min_ctas)
-    rpc = max(1, min(per_cta // items, (2**31 - 1) // items))
-    return -(-n_rows // rpc), rpc
+    large = total >= ITEMS_PER_CTA * min_ctas
+    per_cta = ITEMS_PER_CTA if large else max(BLOCK, total // min_ctas)
+    cap = max(1, (2**31 - 1) // items)
+    target = min(max(1, per_cta // items), cap)
+    best, best_fill = target, 0.0
+    for rpc in range(max(1, target // 2), min(cap, 2 * target if large else target) + 1):
+        work = rpc * items
+        fill = work / (-(-work // BLOCK) * BLOCK)
+        if fill > best_fill + 1e-12 or (abs(fill - best_fill) <= 1e-12 and abs(rpc - target) < abs(best - target)):
+            best, best_fill = rpc, fill
+    return -(-n_rows // best), best
 
 
 def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dtype="float32", scale=None,
@@ -345,13 +372,15 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     inverse values are not bounds-checked on the device: they must come from a plan for this staging buffer.
     First use of a type compiles its module and uploads the tables (once per process and device); call
     `warmup` before capturing a CUDA graph. Under ``torch.cuda.graph`` pass torch tensors (the output is then
-    allocated from the graph's pool) and the kernel is captured on the capturing stream.
+    allocated from the graph's pool) and the kernel is captured on the capturing stream. A torch output made
+    here is allocated on torch's current stream: with an explicit `stream`, prefer ``torch.cuda.stream(s)``
+    (or pass `out`).
     """
     kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse")
     if inv_dtype not in INDEX_CTYPES:
         raise TypeError(f"inverse must be int32 or int64, got {inv_dtype}")
-    s_kind, st_ptr, st_dtype, _, st_dev = _describe(staging, "staging")
-    o_kind, off_ptr, off_dtype, off_shape, off_dev = _describe(row_offsets, "row_offsets")
+    _, st_ptr, st_dtype, _, st_dev = _describe(staging, "staging")
+    _, off_ptr, off_dtype, off_shape, off_dev = _describe(row_offsets, "row_offsets")
     if st_dtype not in ("uint8", "int8"):
         raise TypeError(f"staging must hold bytes (uint8), got {st_dtype}")
     if off_dtype != "int64" or len(off_shape) != 1:
@@ -365,23 +394,22 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     shape = _out_shape(inv_shape, n, row_elems, seg, layout)
 
     cp = _cupy()
+    tab, n_sm = _device_state(dev)
     handle = _stream_handle(stream, kind, dev)
-    cstream = cp.cuda.Stream.from_external(_StreamRef(handle))
-    with cp.cuda.Device(dev), cstream:
+    with cp.cuda.Device(dev), cp.cuda.Stream.from_external(_StreamRef(handle)):
         if out is None:
             if kind == "torch":
                 import torch
                 out = torch.empty(shape, dtype=getattr(torch, name), device=inverse.device)
             else:
                 out = cp.empty(shape, dtype=np.uint16 if name == "bfloat16" else name)
-        ok, out_ptr, out_dtype, out_shape, out_dev = _describe(out, "out")
+        _, out_ptr, out_dtype, out_shape, out_dev = _describe(out, "out")
         want = {"float32": ("float32",), "float16": ("float16",), "bfloat16": ("bfloat16", "uint16")}[name]
         if out_dtype not in want or tuple(out_shape) != tuple(shape) or out_dev != dev:
             raise ValueError(f"out must be {name} of shape {shape} on device {dev}, "
                              f"got {out_dtype} {tuple(out_shape)} on {out_dev}")
         if n == 0:
             return out
-        tab, n_sm = _device_state(dev)
         grid, rpc = launch_config(n, row_elems, n_sm)
         fn = _kernel(int(qt), name, inv_dtype)
         fn((grid,), (BLOCK,), (

@@ -174,20 +174,30 @@ class Table:
         """Dequantized rows: shape ids.shape + (row_elems,), exactly gguf.quants.dequantize(table)[ids].
 
         ids: integer numpy array (or torch CPU tensor) of any shape; the result is of the same kind.
-        GPU flavour (cupy or torch CUDA ids, result on the same device, launched on `stream`) arrives with the
-        CUDA kernels; until then such ids raise BackendError.
+        GPU flavour: cupy or torch CUDA ids give a result of the same kind on the same device, dequantized by the
+        CUDA kernel launched on `stream` (bfloat16 comes back as uint16 bits for cupy, which has no bfloat16).
         """
         kind = arrays.kind(ids)
         name = _dtype_name(dtype)
         if kind in ("cupy", "torch-cuda"):
-            raise BackendError("GPU ids need the CUDA dequant kernels, which are not part of this version; "
-                               "pass numpy or CPU torch ids")
+            return self._gather_device(ids, backend, name, stream)
         if kind == "torch":
             out = self._gather_host(ids.numpy(), backend)
             import torch
             t = torch.from_numpy(out)
             return t if name == "float32" else t.to(getattr(torch, name))
         return _cast_numpy(self._gather_host(ids, backend), name)
+
+    def _gather_device(self, ids, backend: str, dtype: str, stream):
+        """GPU flavour: rows read into GPU memory (see fetch_device), dequantized and scattered by the CUDA kernel
+        on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
+        import cupy as cp
+        from . import dequant_gpu
+        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
+        staging, offs = self.fetch_device(plan, backend, stream)
+        with arrays.cupy_stream(stream):
+            inv = arrays.like(cp.asarray(plan.inverse.reshape(plan.shape)), ids)
+        return dequant_gpu.gather_rows(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
 
     def _gather_host(self, ids, backend: str) -> np.ndarray:
         return self.gather_plan(self.plan(ids), backend)

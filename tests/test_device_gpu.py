@@ -79,3 +79,29 @@ def test_auto_reports_the_choice(table_and_rows):
     assert name in ("direct", "gds") and why
     name, mode, why = resolve_device("auto", gg.Config(platform="unified"))
     assert (name, mode) == ("direct", "zero-copy")
+
+
+from gds_gather.quants import supported_types  # noqa: E402
+
+TYPES = supported_types()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_table_gather_every_type_cupy_and_torch(tmp_path, ggufs, qtype):
+    """Issue 4: every type through t.gather with cupy ids and with torch ids, f32/f16/bf16, exact."""
+    import cupy as cp
+    torch = pytest.importorskip("torch")
+    n_rows, width = 97, ggufs.width(qtype)
+    path = ggufs.write(tmp_path / f"{qtype.name}.gguf", ggufs.rows(qtype, n_rows, width, seed=int(qtype)), qtype)
+    ref = ggufs.reference(path)
+    ids = np.random.default_rng(int(qtype)).integers(0, n_rows, (60, 3))
+    with gg.open_table(path) as t:
+        got = t.gather(cp.asarray(ids))
+        assert isinstance(got, cp.ndarray) and got.dtype == np.float32
+        np.testing.assert_array_equal(cp.asnumpy(got), ref[ids])
+        tids = torch.as_tensor(ids, device="cuda")
+        np.testing.assert_array_equal(t.gather(tids, dtype=torch.float16).cpu().numpy(),
+                                      ref[ids].astype(np.float16))
+        bf = t.gather(tids, dtype=torch.bfloat16)
+        assert bf.dtype == torch.bfloat16
+        assert torch.equal(bf.cpu(), torch.from_numpy(ref[ids]).to(torch.bfloat16))
