@@ -51,14 +51,31 @@ def cupy_stream(stream):
     if isinstance(stream, cupy.cuda.Stream):
         return stream
     return cupy.cuda.ExternalStream(stream_ptr(stream)) if not hasattr(cupy.cuda.Stream, "from_external") \
-        else cupy.cuda.Stream.from_external(_HasStream(stream_ptr(stream)))
+        else cupy.cuda.Stream.from_external(StreamRef(stream_ptr(stream)))
 
 
-class _HasStream:
-    """Adapter exposing __cuda_stream__ for cupy.cuda.Stream.from_external."""
+class StreamRef:
+    """A raw stream handle speaking the CUDA stream protocol (for cupy.cuda.Stream.from_external)."""
 
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+    def __init__(self, handle: int):
+        self.handle = int(handle)
 
     def __cuda_stream__(self):
-        return (0, self.ptr)
+        return (0, self.handle)
+
+
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype) -> str:
+    """'float32', 'float16' or 'bfloat16' from a numpy/torch dtype or a name; TypeError otherwise."""
+    name = str(dtype).replace("torch.", "")
+    if name not in OUT_DTYPES:
+        try:
+            import numpy as np
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in OUT_DTYPES:
+        raise TypeError(f"output dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return name

@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from . import quants
+from . import arrays, quants
 from .errors import BackendError, RowWidthError, UnsupportedTypeError
 
 Q = GGMLQuantizationType
@@ -138,18 +138,6 @@ def source() -> str:
 
 
 # ---- names -----------------------------------------------------------------------------------------------------
-def _dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    if name not in OUT_DTYPES:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            pass
-    if name not in OUT_DTYPES:
-        raise TypeError(f"output dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    return name
-
-
 def _index_name(index_dtype) -> str:
     name = str(index_dtype).replace("torch.", "")
     if name not in INDEX_CTYPES:
@@ -166,7 +154,7 @@ def kernel_name(qtype, dtype="float32", index_dtype="int64") -> str:
     idx = _index_name(index_dtype)
     if idx not in INDEX_CTYPES:
         raise TypeError(f"inverse indices must be int32 or int64, got {index_dtype!r}")
-    return f"gg_gather<{int(qt)}, {OUT_DTYPES[_dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
+    return f"gg_gather<{int(qt)}, {OUT_DTYPES[arrays.dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
 
 
 def kernel_names(qtype) -> tuple[str, ...]:
@@ -234,17 +222,7 @@ def warmup(qtypes, dtypes=("float32", "float16", "bfloat16"), index_dtypes=("int
             q = quants.check_supported(qt)
             for d in dtypes:
                 for i in index_dtypes:
-                    _kernel(int(q), _dtype_name(d), _index_name(i)).kernel   # forces compile + module load
-
-
-class _StreamRef:
-    """A raw stream handle that speaks the CUDA stream protocol (for cupy.cuda.Stream.from_external)."""
-
-    def __init__(self, handle: int):
-        self.handle = int(handle)
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
+                    _kernel(int(q), arrays.dtype_name(d), _index_name(i)).kernel   # forces compile + module load
 
 
 def _kind(x, what: str) -> str:
@@ -389,14 +367,14 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         raise ValueError(f"staging, row_offsets and inverse must be on one device, got {st_dev}, {off_dev}, {dev}")
     qt, _, seg = _geometry(qtype, row_elems, layout, n_layer)
     row_elems = int(row_elems)
-    name = _dtype_name(dtype)
+    name = arrays.dtype_name(dtype)
     n = math.prod(inv_shape)
     shape = _out_shape(inv_shape, n, row_elems, seg, layout)
 
     cp = _cupy()
     tab, n_sm = _device_state(dev)
     handle = _stream_handle(stream, kind, dev)
-    with cp.cuda.Device(dev), cp.cuda.Stream.from_external(_StreamRef(handle)):
+    with cp.cuda.Device(dev), cp.cuda.Stream.from_external(arrays.StreamRef(handle)):
         if out is None:
             if kind == "torch":
                 import torch
@@ -531,7 +509,7 @@ def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float
     qt, rb, seg = _geometry(qtype, row_elems, layout, n_layer)
     row_elems = int(row_elems)
     staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
-    name = _dtype_name(dtype)
+    name = arrays.dtype_name(dtype)
     n = inv.size
     out = np.empty(_out_shape(inv.shape, n, row_elems, seg, layout),
                    {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[name])
@@ -563,7 +541,7 @@ def reference_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="
     if scale is not None:
         f32 = f32 * np.float32(scale)
     f32 = f32[inv.ravel()]
-    name = _dtype_name(dtype)
+    name = arrays.dtype_name(dtype)
     if name == "float16":
         with np.errstate(over="ignore"):
             res = f32.astype(np.float16)

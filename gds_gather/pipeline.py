@@ -203,6 +203,9 @@ class GpuPrefill:
         elif self.mode == "gds":
             _, d_offs = self.readers[s].fetch(plan, wait=False)
             offs = plan.row_staging
+        elif not hasattr(self.readers[s], "fetch"):      # mmap, readahead, resident: compact rows come back
+            rows = self.readers[s].read(plan)
+            self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
         else:
             staging, offs = self.readers[s].fetch(plan)
             if self.mode == "copy":

@@ -21,17 +21,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TENSOR = "per_layer_token_embd.weight"
 
 
-def _dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        pass
-    if name not in ("float32", "float16", "bfloat16"):
-        raise TypeError(f"output dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    return name
-
-
 def _cast_numpy(f32: np.ndarray, name: str) -> np.ndarray:
     if name == "float32":
         return f32
@@ -178,7 +167,7 @@ class Table:
         CUDA kernel launched on `stream` (bfloat16 comes back as uint16 bits for cupy, which has no bfloat16).
         """
         kind = arrays.kind(ids)
-        name = _dtype_name(dtype)
+        name = arrays.dtype_name(dtype)
         if kind in ("cupy", "torch-cuda"):
             return self._gather_device(ids, backend, name, stream)
         if kind == "torch":

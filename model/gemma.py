@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .tokens import token_stream
+
 __all__ = ["gemma_row_ids", "per_layer_inputs", "per_layer_inputs_np", "ple_scales", "rms_scale"]
 
 
@@ -46,23 +48,10 @@ def gemma_row_ids(tokens, n_rows: int | None = None, image_mask=None) -> np.ndar
     Positions where ``image_mask`` is True (embedding inputs) read row 0, as llama.cpp does for an embedding
     batch. Raises ValueError for a non-1-D or non-integer stream, a negative id, or an id >= ``n_rows``.
     """
-    tok = np.asarray(tokens)
-    if tok.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tok.shape}")
-    if tok.size and not np.issubdtype(tok.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {tok.dtype}")
-    tok = tok.astype(np.int64)
-    if image_mask is not None:
-        mask = np.asarray(image_mask, dtype=bool)
-        if mask.shape != tok.shape:
-            raise ValueError(f"image_mask shape {mask.shape} != tokens shape {tok.shape}")
-        tok = np.where(mask, np.int64(0), tok)
-    if tok.size:
-        lo, hi = int(tok.min()), int(tok.max())
-        if lo < 0:
-            raise ValueError(f"negative token id {lo} in tokens")
-        if n_rows is not None and hi >= n_rows:
-            raise ValueError(f"token id {hi} out of range for a table of {n_rows} rows [0, {n_rows})")
+    tok = token_stream(tokens, image_mask, 0)
+    if tok.size and n_rows is not None and int(tok.max()) >= n_rows:
+        hi = int(tok.max())
+        raise ValueError(f"token id {hi} out of range for a table of {n_rows} rows [0, {n_rows})")
     return tok
 
 

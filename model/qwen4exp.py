@@ -14,6 +14,8 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGUFValueType
 
+from .tokens import token_stream
+
 ARCH = "qwen4exp"
 
 # llama.cpp's metadata keys (src/llama-arch.cpp)
@@ -165,20 +167,8 @@ def hashed_tokens(tokens, hparams: Qwen4expHParams, image_mask=None) -> np.ndarr
     Raises ValueError for negative tokens, a non-1-D stream or a mask of another length.
     Carry these (not the raw ids) across chunks when the stream has image positions.
     """
-    tok = np.asarray(tokens)
-    if tok.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tok.shape}")
-    if tok.size and not np.issubdtype(tok.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {tok.dtype}")
-    tok = tok.astype(np.int64)
-    if tok.size and int(tok.min()) < 0:
-        raise ValueError("negative token id in tokens")
-    if image_mask is not None:
-        mask = np.asarray(image_mask, dtype=bool)
-        if mask.shape != tok.shape:
-            raise ValueError(f"image_mask shape {mask.shape} != tokens shape {tok.shape}")
-        img = hparams.image_token_id if hparams.image_token_id is not None else hparams.eos_token_id
-        tok = np.where(mask, np.int64(img), tok)
+    img = hparams.image_token_id if hparams.image_token_id is not None else hparams.eos_token_id
+    tok = token_stream(tokens, image_mask, img)
     return tok
 
 
