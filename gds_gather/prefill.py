@@ -5,6 +5,7 @@ gemma's token rows), plans the deduplicated reads, reads and dequantizes them ex
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,13 @@ class RowMapper:
     """Token ids -> PLE row ids for one model, carrying qwen4exp's n-gram history across ubatches."""
 
     def __init__(self, table):
+        from .tokenizer import tokenizer_name
         self.arch = table.arch
+        self.n_rows = table.n_rows
         self.prev = None
+        self._meta = table.reader
+        # the model's own tokenizer when the first shard carries tokenizer.ggml.tokens, else text.py's word level
+        self.tokenizer_name = tokenizer_name(table.reader)    # 'gguf-<tokenizer.ggml.model>' or 'word-level'
         if self.arch == "qwen4exp":
             from .model import PRESETS, Qwen4expHParams
             self.hp = Qwen4expHParams.from_reader(table.reader)
@@ -46,13 +52,20 @@ class RowMapper:
             self.reserved = ()
             self.rows_per_token = 1
 
+    @functools.cached_property
+    def tokenizer(self):
+        """The model's GGUFTokenizer (read on first use), or None for the word-level mapping."""
+        from .tokenizer import GGUFTokenizer
+        return GGUFTokenizer.from_reader(self._meta)
+
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         if self.arch == "qwen4exp":
             from .model import next_prev, ple_rows
             rows = ple_rows(tokens, self.hp, prev=self.prev)
             self.prev = next_prev(tokens, self.prev, self.hp.ngram_size)
             return rows
-        return tokens
+        from .model import gemma_row_ids
+        return gemma_row_ids(tokens, self.n_rows)     # one row per token; clear error past the table's end
 
 
 def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
@@ -78,7 +91,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     with open_table(path, config=cfg) as t:
         mapper = RowMapper(t)
         tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
-                  prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens))
+                  prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens, tokenizer=mapper.tokenizer))
         if cold and not measure.drop_caches():
             measure.evict_file(t.path)
         cache0 = measure.resident_bytes(t.path)
@@ -90,7 +103,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         n_ub = -(-tokens.size // ubatch)
         if log:
             log(f"model     {path} ({t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x {t.row_bytes} B)")
-            log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}), "
+            log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
+                f"tokenizer {mapper.tokenizer_name}), "
                 f"{n_ub} ubatches of {ubatch}{', cold cache' if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
@@ -105,6 +119,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             pipe.close()
         growth = measure.resident_bytes(t.path) - cache0
         res.update(model=str(path), arch=t.arch, qtype=t.qtype.name, cold=cold, trunk=trunk,
+                   tokenizer=mapper.tokenizer_name,
                    platform=plat.kind, page_cache_growth_bytes=growth)
     if log:
         share = res.get("ple_wait_share")

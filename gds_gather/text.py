@@ -1,6 +1,7 @@
-"""Prompts as token ids: real English text, mapped to ids by a documented deterministic word-level scheme.
+"""Prompts as token ids: real English text, tokenized by the model's own tokenizer or a word-level mapping.
 
-Synthetic models carry no tokenizer, so a word (a run of letters/digits, or one punctuation mark) maps to
+A model file that carries a tokenizer (`tokenizer.ggml.tokens`) is tokenized with it (gds_gather.tokenizer).
+Synthetic models carry none, so there a word (a run of letters/digits, or one punctuation mark) maps to
 `1 + blake2b(word) mod (n_vocab - 1)`, skipping reserved ids (EOS, image). Equal words give equal ids, so the
 prompt keeps natural text's repetition (which is what makes deduplication pay), unlike a repeated string.
 The default prompt is the standard library's documentation topics (pydoc_data), shipped with every Python.
@@ -49,9 +50,14 @@ def word_ids(text: str, n_vocab: int, reserved: tuple[int, ...] = ()) -> np.ndar
     return ids[inverse.ravel()]
 
 
-def prompt_tokens(n_vocab: int, reserved: tuple[int, ...] = (), path=None, n_tokens: int | None = None) -> np.ndarray:
-    """The prompt's token ids, cut to n_tokens (the text is read again from its start if it is shorter)."""
-    ids = word_ids(load_text(path), n_vocab, reserved)
+def prompt_tokens(n_vocab: int, reserved: tuple[int, ...] = (), path=None, n_tokens: int | None = None,
+                  tokenizer=None) -> np.ndarray:
+    """The prompt's token ids, cut to n_tokens (the text is read again from its start if it is shorter).
+
+    tokenizer: a GGUFTokenizer (the model's own; n_vocab and reserved are then unused), or None for word_ids.
+    """
+    text = load_text(path)
+    ids = tokenizer.encode(text) if tokenizer is not None else word_ids(text, n_vocab, reserved)
     if n_tokens is None:
         return ids
     if n_tokens < 0:
