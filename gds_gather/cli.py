@@ -1,4 +1,4 @@
-"""The `gds-gather` command: info, make-model, prefill."""
+"""The `gds-gather` command: info, make-model, prefill, bench."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,12 @@ def cmd_prefill(args, cfg: Config) -> int:
     return 0
 
 
+def cmd_bench(args, cfg: Config) -> int:
+    from . import benches
+    benches.run(args.bench, args, cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gds-gather", description=__doc__)
     p.add_argument("--version", action="version", version=f"gds-gather {__version__}")
@@ -108,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU dequant output and trunk dtype")
     s.add_argument("--json", action="store_true", help="end with one JSON line")
     s.set_defaults(func=cmd_prefill)
+
+    from . import benches
+    s = sub.add_parser("bench", help="benchmarks: storage bandwidth, the gather microbenchmark, prefill A/B")
+    bench = s.add_subparsers(dest="bench", required=True)
+    for name, (_, _, what) in benches.BENCHES.items():
+        b = bench.add_parser(name, help=what, description=what)
+        benches.add_arguments(name, b)
+        b.set_defaults(func=cmd_bench)
     return p
 
 
