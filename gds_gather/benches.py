@@ -1003,6 +1003,9 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
                    help="synthetic trunk (default: none on the CPU, i.e. the PLE fetch + dequant alone; real on a GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--no-graph", action="store_true", help="GPU: run the steps eagerly (no CUDA graph)")
+    p.add_argument("--targets", action="store_true",
+                   help="the prefill issue's ratios: adds direct:nograph (GPU), fio's IOPS on the same file, and "
+                        "direct cold vs min(resident, storage-bound tok/s) and vs mmap")
 
 
 def run_prefill_bench(a, cfg: Config) -> dict:
@@ -1022,6 +1025,9 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     else:
         backends = list(HOST_BACKENDS) + (["gds"] if "gpu:gds" in _default_backends(cfg) else [])
+    if a.targets:
+        backends = list(dict.fromkeys(["direct", "mmap", "resident"] + backends
+                                      + (["direct:nograph"] if gpu and not a.no_graph else [])))
     models = [Path(m) for m in a.model] if a.model else [default_model(cfg, progress=True)]
     with gg.open_table(models[0], config=cfg) as t:
         facts = bench_facts(t.path, cfg)
@@ -1045,8 +1051,11 @@ def run_prefill_bench(a, cfg: Config) -> dict:
             table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
                                         f"{t.row_bytes:,} B")
         print(f"\n## {model} ({desc})", flush=True)
+        def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
+            name, _, mod = b.partition(":")
+            return run_prefill(model, cfg, backend=name, **{**kw, "graph": kw["graph"] and mod != "nograph"})
         for b in backends:                      # warm-up: first-use costs (native build, kernels, graphs)
-            run_prefill(model, cfg, backend=b, **kw)
+            one(b)
         m = {"model": str(model), "table": desc, "runs": []}
         series = [c for c in ("cold", "warm") if not getattr(a, f"no_{c}")]
         for cache in series:
@@ -1055,7 +1064,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
                 for b in backends:
                     if cache == "cold":
                         go_cold(table_path, a.cold_method)
-                    runs[b].append(run_prefill(model, cfg, backend=b, **kw))
+                    runs[b].append(one(b))
                 print(f"    {cache} run {rep + 1}/{a.repeat}: "
                       + "  ".join(f"{b} {runs[b][-1]['tok_per_s']:,.0f}" for b in backends) + " tok/s", flush=True)
             for b in backends:
@@ -1078,9 +1087,38 @@ def run_prefill_bench(a, cfg: Config) -> dict:
             for other in ("mmap", "pread", "resident"):
                 if ("direct", cache) in get and (other, cache) in get and other != "direct":
                     print(_ratio(f"direct / {other} ({cache})", get[("direct", cache)], get[(other, cache)]))
+        if a.targets and ("direct", "cold") in get:
+            m["targets"] = _prefill_targets(table_path, get, m["runs"], a)
         result["models"].append(m)
     data_dir = Path(a.dir or a.out or default_dir(cfg))
     return _finish("prefill", result, a, Path(a.out or data_dir), _plot_prefill)
+
+
+def _prefill_targets(path, get: dict, runs: list, a) -> dict:
+    """The prefill issue's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
+    from . import measure
+    cold = next(r for r in runs if r["backend"] == "direct" and r["cache"] == "cold")
+    rows_per_tok = cold["unique_rows"] / max(1, a.tokens)
+    fio = measure.fio_randread(path, bs="4k", direct=True, iodepth=128, runtime=3 if a.quick else 5)
+    iops = fio.get("iops") if fio else None
+    bound = iops / rows_per_tok if iops else None
+    resident = get.get(("resident", "warm")) or get.get(("resident", "cold"))
+    d = get[("direct", "cold")]
+    t = {"direct_cold_tok_s": d, "unique_rows_per_token": rows_per_tok, "fio_4k_iops": iops,
+         "storage_bound_tok_s": bound, "resident_tok_s": resident}
+    print("targets (prefill issue):")
+    if iops:
+        print(f"  storage-bound tok/s = fio 4K randread {iops:,.0f} IOPS / {rows_per_tok:.2f} unique rows per token "
+              f"= {bound:,.0f}")
+    limits = [x for x in (resident, bound) if x]
+    if limits:
+        print(_ratio("direct cold / min(resident, storage-bound)", d, min(limits), 0.9))
+    if ("mmap", "cold") in get:
+        print(_ratio("direct cold / mmap cold", d, get[("mmap", "cold")], 3.0))
+    for cache in ("cold", "warm"):
+        if ("direct:nograph", cache) in get:
+            print(_ratio(f"graph / no-graph ({cache})", get[("direct", cache)], get[("direct:nograph", cache)]))
+    return t
 
 
 def _plot_prefill(res: dict, out) -> None:
