@@ -100,7 +100,8 @@ EOF
     BENCH=("$PY" -m gds_gather.cli bench)
     step bench-storage 40 "${BENCH[@]}" storage --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_storage.png"
     step bench-gather 70 "${BENCH[@]}" gather --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_gather.png"
-    step bench-prefill 100 "${BENCH[@]}" prefill --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_prefill.png"
+    step bench-prefill 100 "${BENCH[@]}" prefill --quick --targets --trunk tiny --no-warm --repeat 1 --dir "$WORK" \
+        --out "$OUT" --json --plot "$OUT/bench_prefill.png"
 
     # -- summary ---------------------------------------------------------------------------------------------------------
     echo

@@ -12,6 +12,7 @@ CPU (no GPU): the same steps in order on the host, with gguf's dequantizer and a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -53,7 +54,7 @@ class Stats:
 
 def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
     """The synthetic trunk matching the table's model (real shapes, or tiny for the CPU)."""
-    from .model import PRESETS, Trunk, TrunkConfig
+    from .model import PRESETS, TrunkConfig
     if table.arch == "qwen4exp":
         preset = PRESETS["qwen4exp"]
     else:
@@ -65,6 +66,13 @@ def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
                                n_layer=max(1, table.row_elems // 256) if preset.arch != "qwen4exp" else None)
     else:
         cfg = TrunkConfig.from_preset(preset)
+    return _build_trunk(cfg, seed, str(device), dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _build_trunk(cfg, seed: int, device: str, dtype):
+    """The last trunk built is kept: benchmarks run many prefills of one model (a real trunk is GBs)."""
+    from .model import Trunk
     return Trunk(cfg, seed=seed, device=device, dtype=dtype)
 
 
@@ -140,6 +148,10 @@ class GpuPrefill:
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):
+        with self.torch.no_grad():
+            return self._step_body(n, s, wait, ev)
+
+    def _step_body(self, n: int, s: int, wait: bool, ev=None):
         torch, t = self.torch, self.t
         stream = torch.cuda.current_stream()
         h = stream.cuda_stream
