@@ -309,11 +309,13 @@ class CpuPrefill:
 
     def __init__(self, table, mapper, *, backend="auto", ubatch=2048, seed=0, trunk="tiny",
                  config: Config | None = None, **_):
-        import torch
-        self.torch, self.t, self.mapper, self.ubatch = torch, table, mapper, ubatch
+        self.t, self.mapper, self.ubatch = table, mapper, ubatch
         self.backend, self.why = resolve(backend, config or table.config)
-        self.trunk = None if trunk == "none" else _trunk_for(table, mapper, torch.device("cpu"), torch.float32,
-                                                             trunk, seed)
+        self.torch = self.trunk = None
+        if trunk != "none":
+            import torch
+            self.torch = torch
+            self.trunk = _trunk_for(table, mapper, torch.device("cpu"), torch.float32, trunk, seed)
         self.gemma = table.arch != "qwen4exp"
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
@@ -357,7 +359,7 @@ class CpuPrefill:
                 if collect:
                     outs.append((ple.clone(), hid.clone()))
             elif collect:
-                outs.append((torch.from_numpy(rows), None))
+                outs.append((rows, None))
             if progress:
                 progress(tok.size)
         wall = time.perf_counter() - t0

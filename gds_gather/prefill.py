@@ -87,7 +87,12 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     path = Path(model) if model else default_model(cfg, progress)
     plat = detect(cfg.platform)
     gpu = plat.kind != "cpu"
-    trunk = trunk or ("real" if gpu else "tiny")
+    if trunk is None:
+        import importlib.util
+        trunk = "real" if gpu else ("tiny" if importlib.util.find_spec("torch") else "none")
+        if trunk == "none" and log:
+            log("note      torch is not installed: the PLE fetch and dequantization only "
+                "(pip install 'gds-gather[torch]' adds the synthetic trunk)")
     with open_table(path, config=cfg) as t:
         mapper = RowMapper(t)
         tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
@@ -110,7 +115,9 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             log(f"backend   {pipe.backend}: {pipe.why}")
             log(f"pipeline  " + (f"GPU, {'CUDA graph per ubatch size' if graph else 'eager (no graph)'}, "
                                  f"{pipe.how}, trunk {trunk} ({dtype})" if gpu else
-                                 f"CPU (no GPU here): read -> gguf dequantize -> torch CPU trunk ({trunk}), no graph"))
+                                 "CPU (no GPU here): read -> gguf dequantize -> " +
+                                 (f"torch CPU trunk ({trunk})" if trunk != "none" else "no trunk (the PLE fetch only)")
+                                 + ", no graph"))
         try:
             bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
             res = pipe.run(tokens, progress=bar.update, collect=collect)
