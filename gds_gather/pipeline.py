@@ -304,6 +304,14 @@ class GpuPrefill:
         self.readers = []
 
 
+def _as_torch(a: np.ndarray):
+    try:
+        import torch
+    except ImportError:
+        return a
+    return torch.from_numpy(a)
+
+
 class CpuPrefill:
     """The same steps on the host: reads, gguf's dequantizer, the per-layer math and a torch CPU trunk."""
 
@@ -358,8 +366,8 @@ class CpuPrefill:
                     hid = self.trunk(tk, ple)
                 if collect:
                     outs.append((ple.clone(), hid.clone()))
-            elif collect:
-                outs.append((rows, None))
+            elif collect:       # torch when it is installed, like the trunk's outputs
+                outs.append((_as_torch(rows), None))
             if progress:
                 progress(tok.size)
         wall = time.perf_counter() - t0

@@ -422,9 +422,9 @@ class GGUFTokenizer:
 
 # ---- the merge loops -------------------------------------------------------------------------------------------
 
-def _bpe_merge(word: str, ranks: dict) -> list[str]:
-    """llama.cpp's llm_tokenizer_bpe_session: from single characters, repeatedly merge the adjacent pair of lowest
-    merge rank (leftmost on ties) until no adjacent pair has a rank."""
+def _merge(word: str, priority) -> list[str]:
+    """From single characters, repeatedly merge the adjacent pair with the lowest priority(a, b) (leftmost on ties)
+    until no adjacent pair has one (priority returns None). A heap over bigrams, as llama.cpp's sessions do."""
     n = len(word)
     if n < 2:
         return [word] if n else []
@@ -433,20 +433,19 @@ def _bpe_merge(word: str, ranks: dict) -> list[str]:
     nxt[-1] = -1
     prv = list(range(-1, n - 1))
     heap = []
-    get = ranks.get
     for i in range(n - 1):
-        r = get((sym[i], sym[i + 1]))
-        if r is not None:
-            heap.append((r, i, i + 1, sym[i] + sym[i + 1]))
+        k = priority(sym[i], sym[i + 1])
+        if k is not None:
+            heap.append((k, i, i + 1, sym[i] + sym[i + 1]))
     if not heap:
         return sym
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     while heap:
-        r, left, right, text = pop(heap)
+        _, left, right, text = pop(heap)
         a, b = sym[left], sym[right]
         if not a or not b or a + b != text:
-            continue            # outdated
+            continue            # outdated: one side has merged since
         sym[left], sym[right] = text, ""
         nr = nxt[right]
         nxt[left] = nr
@@ -454,54 +453,27 @@ def _bpe_merge(word: str, ranks: dict) -> list[str]:
             prv[nr] = left
         p = prv[left]
         if p >= 0:
-            rr = get((sym[p], text))
-            if rr is not None:
-                push(heap, (rr, p, left, sym[p] + text))
+            k = priority(sym[p], text)
+            if k is not None:
+                push(heap, (k, p, left, sym[p] + text))
         if nr >= 0:
-            rr = get((text, sym[nr]))
-            if rr is not None:
-                push(heap, (rr, left, nr, text + sym[nr]))
+            k = priority(text, sym[nr])
+            if k is not None:
+                push(heap, (k, left, nr, text + sym[nr]))
     return [s for s in sym if s]
+
+
+def _bpe_merge(word: str, ranks: dict) -> list[str]:
+    """llama.cpp's llm_tokenizer_bpe_session: merges by lowest merge rank."""
+    get = ranks.get
+    return _merge(word, lambda a, b: get((a, b)))
 
 
 def _spm_merge(text: str, ids: dict, scores: list[float]) -> list[str]:
-    """llama.cpp's llm_tokenizer_spm: from single characters, repeatedly merge the adjacent pair whose concatenation
-    is a token of the highest score (leftmost on ties) until no adjacent concatenation is a token."""
-    n = len(text)
-    if n < 2:
-        return [text] if n else []
-    sym = list(text)
-    nxt = list(range(1, n + 1))
-    nxt[-1] = -1
-    prv = list(range(-1, n - 1))
-    heap = []
+    """llama.cpp's llm_tokenizer_spm: merges the pair whose concatenation is the token of highest score."""
     get = ids.get
-    for i in range(n - 1):
-        t = get(sym[i] + sym[i + 1])
-        if t is not None:
-            heap.append((-scores[t], i, i + 1, 2))
-    if not heap:
-        return sym
-    heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
-    while heap:
-        _, left, right, size = pop(heap)
-        a, b = sym[left], sym[right]
-        if not a or not b or len(a) + len(b) != size:
-            continue
-        merged = a + b
-        sym[left], sym[right] = merged, ""
-        nr = nxt[right]
-        nxt[left] = nr
-        if nr >= 0:
-            prv[nr] = left
-        p = prv[left]
-        if p >= 0:
-            t = get(sym[p] + merged)
-            if t is not None:
-                push(heap, (-scores[t], p, left, len(sym[p]) + len(merged)))
-        if nr >= 0:
-            t = get(merged + sym[nr])
-            if t is not None:
-                push(heap, (-scores[t], left, nr, len(merged) + len(sym[nr])))
-    return [s for s in sym if s]
+
+    def priority(a, b):
+        t = get(a + b)
+        return None if t is None else -scores[t]
+    return _merge(text, priority)
