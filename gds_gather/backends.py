@@ -98,10 +98,13 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
     return name, forced
 
 
-def resolve_device(backend: str, config: Config | None = None, window_bytes: int = 4096) -> tuple[str, str, str]:
+def resolve_device(backend: str, config: Config | None = None, window_bytes: int = 4096,
+                   gds_faster=None) -> tuple[str, str, str]:
     """(backend, destination mode, why) for rows that must end in GPU memory.
 
     mode: "copy" (pinned staging + one H2D copy), "zero-copy" (GPU-mapped host staging), or "gds".
+    gds_faster: a callable () -> (bool, detail) that times gds against direct on this table; asked only where real
+    GPU-direct storage exists. Without it, windows of at least GDS_MIN_WINDOW bytes go to gds.
     """
     cfg = config or Config.from_env()
     plat = detect(cfg.platform)
@@ -125,7 +128,13 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
     if plat.kind == "rocm":
         return "direct", "copy", "ROCm: direct reads into pinned host staging, then a HIP copy"
     ok, real, why = gds_state()
-    if real and window_bytes >= GDS_MIN_WINDOW:
+    if real and gds_faster is not None:
+        faster, detail = gds_faster()
+        if faster:
+            return "gds", "gds", f"{why}; gds measured faster for this table's windows ({detail})"
+        reason = f"real GDS present, but direct measured faster for this table's windows ({detail})"
+    elif real and window_bytes >= GDS_MIN_WINDOW:
         return "gds", "gds", f"{why}; windows of {window_bytes} B are large enough for GPU-direct reads"
-    reason = (f"real GDS present, but windows of {window_bytes} B are below {GDS_MIN_WINDOW} B" if real else why)
+    else:
+        reason = (f"real GDS present, but windows of {window_bytes} B are below {GDS_MIN_WINDOW} B" if real else why)
     return "direct", "copy", f"discrete GPU: direct reads into pinned staging + one H2D copy ({reason})"

@@ -146,3 +146,35 @@ def test_bad_config():
     with pytest.raises(ValueError, match="platform"):
         from gds_gather.platform import detect
         detect("quantum")
+
+
+def test_auto_device_choice_follows_the_measurement(monkeypatch):
+    """Real GDS: auto asks the table's measurement; compat mode never uses it."""
+    import importlib
+
+    from gds_gather.platform import Platform
+    backends = importlib.import_module("gds_gather.backends")     # (gds_gather.backends is also a function)
+    monkeypatch.setattr(backends, "detect",
+                        lambda override="auto": Platform("discrete" if override == "auto" else override, "test", "GPU"))
+    monkeypatch.setattr(backends, "gds_state", lambda: (True, True, "real GDS (test)"))
+    asked = []
+
+    def faster(verdict):
+        def f():
+            asked.append(verdict)
+            return verdict, "timed (test)"
+        return f
+    assert backends.resolve_device("auto", gg.Config(), 4096, faster(True))[:2] == ("gds", "gds")
+    name, mode, why = backends.resolve_device("auto", gg.Config(), 4096, faster(False))
+    assert (name, mode) == ("direct", "copy") and "measured faster" in why
+    assert asked == [True, False]
+    assert backends.resolve_device("auto", gg.Config(), 1 << 20)[:2] == ("gds", "gds")      # no measurement
+    assert backends.resolve_device("auto", gg.Config(), 4096)[:2] == ("direct", "copy")
+    monkeypatch.setattr(backends, "gds_state", lambda: (True, False, "compat (test)"))
+    assert backends.resolve_device("auto", gg.Config(), 1 << 20, faster(True))[:2] == ("direct", "copy")
+    assert asked == [True, False]
+    assert backends.resolve_device("auto", gg.Config(platform="unified"))[:2] == ("direct", "zero-copy")
+    assert backends.resolve_device("auto", gg.Config(platform="rocm"))[:2] == ("direct", "copy")
+    with pytest.raises(gg.BackendError, match="no usable GPU"):
+        monkeypatch.setattr(backends, "detect", lambda override="auto": Platform("cpu", "none"))
+        backends.resolve_device("auto", gg.Config())
