@@ -27,6 +27,7 @@ import time
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
+from gds_gather import arrays
 from gds_gather import dequant_gpu as dg
 from gds_gather import quants
 
@@ -190,7 +191,7 @@ def main(argv=None) -> dict:
         a.gb, a.repeat = min(a.gb, 0.25), min(a.repeat, 3)
         if a.types == "all":
             a.types = "F16,Q4_0,Q8_0,Q5_K,IQ2_XXS,IQ4_NL,MXFP4,NVFP4"
-    dtypes = [dg._dtype_name(d.strip()) for d in a.dtypes.split(",") if d.strip()]
+    dtypes = [arrays.dtype_name(d.strip()) for d in a.dtypes.split(",") if d.strip()]
     types = quants.supported_types() if a.types == "all" else [quants.check_supported(t.strip())
                                                                   for t in a.types.split(",") if t.strip()]
 

@@ -97,6 +97,7 @@ EOF
     # -- tests and benches -----------------------------------------------------------------------------------------------
     step gpu-tests 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider
     if [[ ${RCS[${#RCS[@]}-1]} == 5 ]]; then RCS[${#RCS[@]}-1]=0; echo "gpu-tests: no test selected"; fi
+    step bench-kernels 45 "$PY" bench/bench_kernels.py --quick    # dequant-scatter GB/s vs a D2D copy (log only)
     BENCH=("$PY" -m gds_gather.cli bench)
     step bench-storage 40 "${BENCH[@]}" storage --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_storage.png"
     step bench-gather 70 "${BENCH[@]}" gather --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_gather.png"

@@ -12,7 +12,6 @@ the staging stays valid until the next fetch on the same sink, which first waits
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 

@@ -24,7 +24,7 @@ class Platform:
 @functools.cache
 def _probe() -> Platform:
     try:
-        import cupy  # noqa: F401  (lazy: never at package import)
+        import cupy  # noqa: F401  (lazy: never at package import; a failing import is the reason)
         from cupy.cuda import runtime
     except Exception as e:  # ImportError, or a broken CUDA install
         return Platform("cpu", f"cupy is not importable ({type(e).__name__}: {e})")
@@ -45,7 +45,7 @@ def _probe() -> Platform:
         if integrated or pageable:
             return Platform("unified", f"integrated={integrated} pageableMemoryAccessUsesHostPageTables={pageable}",
                             name)
-        return Platform("discrete", f"integrated=0 pageableMemoryAccessUsesHostPageTables=0", name)
+        return Platform("discrete", "integrated=0 pageableMemoryAccessUsesHostPageTables=0", name)
     except Exception as e:
         return Platform("cpu", f"GPU attribute query failed ({type(e).__name__}: {e})")
 

@@ -113,7 +113,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                 f"{n_ub} ubatches of {ubatch}{', cold cache' if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
-            log(f"pipeline  " + (f"GPU, {'CUDA graph per ubatch size' if graph else 'eager (no graph)'}, "
+            log("pipeline  " + (f"GPU, {'CUDA graph per ubatch size' if graph else 'eager (no graph)'}, "
                                  f"{pipe.how}, trunk {trunk} ({dtype})" if gpu else
                                  "CPU (no GPU here): read -> gguf dequantize -> " +
                                  (f"torch CPU trunk ({trunk})" if trunk != "none" else "no trunk (the PLE fetch only)")

@@ -12,7 +12,7 @@ from .backends import resolve, resolve_device
 from .config import Config
 from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import field_value, find_tensor
-from .planner import ReadPlan, check_ids, plan_rows
+from .planner import ReadPlan, plan_rows
 from .readers import HOST_READERS, Reader
 from .storage import filesystem, logical_block_size
 

@@ -186,3 +186,15 @@ def test_wrappers_and_cli_share_the_code():
         assert mod.main is getattr(benches, f"{name}_main")
     r = subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_kernel_bench_runs_or_says_why(capsys):
+    """bench/bench_kernels.py (GPU) must at least import and run here: it measures, or says why it cannot."""
+    spec = importlib.util.spec_from_file_location("bench_kernels_smoke", REPO / "bench" / "bench_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--quick"])
+    assert isinstance(res, dict)
+    from gds_gather.platform import detect
+    if detect().kind == "cpu":
+        assert "skipped" in res and res["skipped"]

@@ -31,7 +31,7 @@ def _reference_ple(t, tokens, ubatch):
     from gguf import quants as gq
     raw = np.fromfile(t.path, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
     table = gq.dequantize(raw, t.qtype).reshape(t.n_rows, t.row_elems)
-    out, prev = [], None
+    out = []
     for k in range(0, tokens.size, ubatch):
         tok = tokens[k:k + ubatch]
         if t.arch == "qwen4exp":
