@@ -861,10 +861,14 @@ def _gather_warm(path: Path, warm: str, a, cfg, backends, trace, stream, med) ->
     print(f"warm ({where}; passes interleaved)", flush=True)
     extra = {"runs_warm": [], "fio_warm": None}
     tables = {}
+    direct_threads = 1        # io_uring: one submitting thread; the native pool (memory filesystems): its threads
     try:
         for b in backends:
             tables[b] = _open_for(path, cfg, b, stream)
             gather_pass(tables[b], b, trace, stream)              # warm-up
+            r = getattr(tables[b], "_readers", {}).get("direct") if b == "direct" else None
+            if r is not None and getattr(r, "ring", None) is None:
+                direct_threads = r.threads
         runs: dict = {b: [] for b in backends}
         for _ in range(a.repeat):
             for b in backends:
@@ -879,15 +883,17 @@ def _gather_warm(path: Path, warm: str, a, cfg, backends, trace, stream, med) ->
         for t in tables.values():
             t.close()
     d = med.get(("direct", "warm"))
+    jobs = direct_threads
     if warm == "tmpfs" and not a.no_fio:
-        f = measure.fio_randread(path, bs="4k", direct=False, engine="psync", iodepth=1, numjobs=1,
+        f = measure.fio_randread(path, bs="4k", direct=False, engine="psync", iodepth=1, numjobs=jobs,
                                  runtime=a.fio_runtime)
         extra["fio_warm"] = f
         if f and "iops" in f:
-            print(f"  fio psync 4k, 1 job (direct's one submitting thread): {f['iops']:,.0f} IOPS   [{f['cmd']}]")
+            print(f"  fio psync 4k, {jobs} job(s) (direct's thread count here): {f['iops']:,.0f} IOPS   "
+                  f"[{f['cmd']}]")
     print("ratios (warm):")
     if extra["fio_warm"] and extra["fio_warm"].get("iops") and d:
-        print(_ratio("direct / fio psync 4k 1 job", d["rows_per_s"], extra["fio_warm"]["iops"],
+        print(_ratio(f"direct / fio psync 4k {jobs} job(s)", d["rows_per_s"], extra["fio_warm"]["iops"],
                      0.7 if a.targets else None))
     for other in ("mmap", "pread", "resident"):
         if (other, "warm") in med and d:
