@@ -963,17 +963,24 @@ def run_gather(a, cfg: Config) -> dict:
     return _finish("gather", result, a, Path(a.out or data_dir), _plot_gather)
 
 
+def _series(all_backends, runs):
+    """(backends, caches, pick) of one panel: the measured backends in bench order, the caches present, and
+    pick(backend, cache, key) -> that run's value or None."""
+    backends = [b for b in all_backends if any(r["backend"] == b for r in runs)]
+    caches = [c for c in ("cold", "warm") if any(r["cache"] == c for r in runs)]
+
+    def pick(b, c, k):
+        return next((r[k] for r in runs if r["backend"] == b and r["cache"] == c), None)
+    return backends, caches, pick
+
+
 def _plot_gather(res: dict, out) -> None:
     tabs = res["tables"]
     if not tabs:
         raise ValueError("nothing was measured: no plot")
     fig, axes = _figure(len(tabs), 6.6, 4.8)
     for ax, t in zip(axes, tabs):
-        backends = [b for b in res["backends"] if any(r["backend"] == b for r in t["runs"])]
-        caches = [c for c in ("cold", "warm") if any(r["cache"] == c for r in t["runs"])]
-        def pick(b, c, k, runs=t["runs"]):
-            return next((r[k] for r in runs if r["backend"] == b and r["cache"] == c), None)
-
+        backends, caches, pick = _series(res["backends"], t["runs"])
         vals = {c: [pick(b, c, "rows_per_s") for b in backends] for c in caches}
         every = {c: [pick(b, c, "rows_per_s_all") or [0.0] for b in backends] for c in caches}
         _bars(ax, backends, caches, vals, lo={c: [min(x) for x in every[c]] for c in caches},
@@ -1133,9 +1140,7 @@ def _plot_prefill(res: dict, out) -> None:
         raise ValueError("nothing was measured: no plot")
     fig, axes = _figure(len(models), 6.6, 4.6)
     for ax, m in zip(axes, models):
-        backends = [b for b in res["backends"] if any(r["backend"] == b for r in m["runs"])]
-        caches = [c for c in ("cold", "warm") if any(r["cache"] == c for r in m["runs"])]
-        pick = lambda b, c, k: next((r[k] for r in m["runs"] if r["backend"] == b and r["cache"] == c), None)  # noqa: E731
+        backends, caches, pick = _series(res["backends"], m["runs"])
         _bars(ax, backends, caches, {c: [pick(b, c, "tok_per_s_median") for b in backends] for c in caches},
               lo={c: [pick(b, c, "tok_per_s_min") for b in backends] for c in caches},
               hi={c: [pick(b, c, "tok_per_s_max") for b in backends] for c in caches},

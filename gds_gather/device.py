@@ -42,6 +42,25 @@ class _DeviceBuffer:
         return self.buf
 
 
+def pin_staging(staging, mapped: bool) -> None:
+    """Page-lock a reader's Staging for the GPU, now and after every regrowth; `mapped` also maps it into the
+    GPU's address space so kernels can read it in place (zero copy)."""
+    cp = _cp()
+    flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0)
+    staging.pin = lambda buf: cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, flags)
+    staging.unpin = lambda buf: cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+    if staging.buf.nbytes:
+        staging.pin(staging.buf)
+
+
+def device_view(host: np.ndarray):
+    """A cupy array over GPU-mapped (pinned with mapped=True) host memory: no copy."""
+    cp = _cp()
+    attrs = cp.cuda.runtime.pointerGetAttributes(host.ctypes.data)
+    mem = cp.cuda.UnownedMemory(attrs.devicePointer, host.nbytes, host, cp.cuda.Device().id)
+    return cp.ndarray((host.nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+
+
 class DeviceSink:
     """Moves what a host reader reads to the GPU: one H2D copy ("copy") or none ("zero-copy")."""
 
@@ -51,26 +70,13 @@ class DeviceSink:
         self.reader, self.mode = reader, mode
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
-        self._last = None         # event after the previous batch's queued work
         staging = getattr(reader, "staging", None)
         self.pinned = staging is not None
         if staging is not None:
-            cp = _cp()
-            flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mode == "zero-copy" else 0)
-            staging.pin = lambda buf: cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, flags)
-            staging.unpin = lambda buf: cp.cuda.runtime.hostUnregister(buf.ctypes.data)
-            if staging.buf.nbytes:
-                staging.pin(staging.buf)
+            pin_staging(staging, mapped=mode == "zero-copy")
         elif mode == "zero-copy":
             self.mode = "copy"      # mmap/readahead/resident return fresh arrays: copy them up
         self.how = f"{reader.how}; {'zero-copy GPU-mapped staging' if self.mode == 'zero-copy' else 'pinned staging + one H2D copy' if self.pinned else 'host rows + one H2D copy'}"
-
-    def _device_view(self, host: np.ndarray):
-        """A cupy array over GPU-mapped host memory (no copy)."""
-        cp = _cp()
-        attrs = cp.cuda.runtime.pointerGetAttributes(host.ctypes.data)
-        mem = cp.cuda.UnownedMemory(attrs.devicePointer, host.nbytes, host, cp.cuda.Device().id)
-        return cp.ndarray((host.nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
 
     def fetch(self, plan: ReadPlan, stream=None):
         cp = _cp()
@@ -85,7 +91,7 @@ class DeviceSink:
             nbytes = host.nbytes
         with s:
             if self.mode == "zero-copy":
-                dev = self._device_view(host[:max(nbytes, 1)])
+                dev = device_view(host[:max(nbytes, 1)])
             else:
                 dev = self.dev.ensure(nbytes)
                 if nbytes:

@@ -125,7 +125,7 @@ class GpuPrefill:
             self.table_d = torch.from_numpy(data).to(self.dev)
             self.staging_views = [self.table_d, self.table_d]
         else:
-            from .device import DeviceSink
+            from .device import device_view, pin_staging
             for _ in range(2):
                 r = HOST_READERS[name](table.path, table.data_offset, table.n_bytes, config=self.cfg,
                                        file_id=table.file_id)
@@ -134,9 +134,9 @@ class GpuPrefill:
                 self.readers.append(r)
             if mode == "zero-copy":
                 for r in self.readers:
-                    sink = DeviceSink(r, "zero-copy")
+                    pin_staging(r.staging, mapped=True)
                     host = r.staging.ensure(self.N * (win if r.odirect else rb))   # fixed address from now on
-                    self.staging_views.append(torch.as_tensor(sink._device_view(host), device=self.dev))
+                    self.staging_views.append(torch.as_tensor(device_view(host), device=self.dev))
             else:   # copy: the host compacts rows into pinned memory; the graph copies N x row_bytes up
                 self.rows_pin = [torch.zeros(self.N * rb, dtype=torch.uint8, **pin) for _ in range(2)]
                 self.rows_d = torch.zeros(self.N * rb, dtype=torch.uint8, device=self.dev)

@@ -43,8 +43,10 @@ class Reader:
         self.data_offset = int(data_offset)
         self.n_bytes = int(n_bytes)
         self.config = config or Config.from_env()
-        st = os.stat(self.path)
-        self.file_id = file_id or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if file_id is None:
+            st = os.stat(self.path)
+            file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.file_id = file_id
         self.file_size = self.file_id[2]
         self.how = ""            # how this reader runs here (engine, fallbacks), for logs and bench headers
         self.bytes_read = 0      # bytes requested from the file so far (for read amplification)

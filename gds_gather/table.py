@@ -153,6 +153,12 @@ class Table:
             self._gds_verdict = (tg < td, f"512 rows: gds {tg * 1e3:.2f} ms, direct {td * 1e3:.2f} ms")
         return self._gds_verdict
 
+    def _fetch_ids_device(self, ids, backend: str, stream):
+        """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
+        import cupy as cp
+        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
+        return (plan, *self.fetch_device(plan, backend, stream))
+
     def _typical_window(self) -> int:
         return -(-self.row_bytes // self.align) * self.align
 
@@ -169,8 +175,7 @@ class Table:
         """
         if arrays.is_device(ids):
             import cupy as cp
-            plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
-            staging, offs = self.fetch_device(plan, backend, stream)
+            plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
             with arrays.cupy_stream(stream):
                 rows = staging[offs[:, None] + cp.arange(self.row_bytes)]
                 inv = cp.asarray(plan.inverse)
@@ -205,8 +210,7 @@ class Table:
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
         import cupy as cp
         from . import dequant_gpu
-        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
-        staging, offs = self.fetch_device(plan, backend, stream)
+        plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
         with arrays.cupy_stream(stream):
             inv = arrays.like(cp.asarray(plan.inverse.reshape(plan.shape)), ids)
         return dequant_gpu.gather_rows(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
