@@ -6,7 +6,7 @@ faults, page-cache growth and p50/p99 per gather call, against fio on the same f
     python3 bench/bench_gather.py                        # 2.16 GB qwen4exp- and 1.94 GB gemma4-e4b-geometry tables
     python3 bench/bench_gather.py --quick --plot gather.png
 
-The code is gds_gather/benches.py (also `gds-gather bench gather`); `--help` lists every option.
+The code is gds_gather/benches/ (also `gds-gather bench gather`); `--help` lists every option.
 Importable: main(argv=None) -> dict.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python3 bench/bench_io.py                  # 2.16 GB qwen4exp-geometry table, 100k random 90-byte rows
     python3 bench/bench_io.py --quick          # a small table, for a smoke run
 
-This is the gather bench (gds_gather/benches.py, `gds-gather bench gather`) with uniform random row ids instead of
+This is the gather bench (gds_gather/benches/, `gds-gather bench gather`) with uniform random row ids instead of
 a text trace, the qwen4exp-geometry table alone, the warm runs on a tmpfs copy of the table, and the I/O issue's
 targets printed (direct >= 0.9x fio 4k randread at the same queue depth, >= 3x mmap, >= 1.3x pread cold; >= 0.7x
 fio psync with one job warm). Cold = after dropping the page cache (root) or evicting the file. Prints, per

@@ -6,7 +6,7 @@ the default trunk is none (the PLE fetch + dequant alone).
     python3 bench/bench_prefill.py --quick --plot prefill.png
     python3 bench/bench_prefill.py --model M.gguf --backends direct,mmap --trunk tiny
 
-The code is gds_gather/benches.py (also `gds-gather bench prefill`); `--help` lists every option.
+The code is gds_gather/benches/ (also `gds-gather bench prefill`); `--help` lists every option.
 Importable: main(argv=None) -> dict.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ latency per I/O, one gdsio-style line per configuration.
     python3 bench/bench_storage.py --quick               # 256 MiB, 4K and 1M, short runs
     python3 bench/bench_storage.py --file F --io-size 4K,1M --threads 4 --qd 64 --pattern seq --cold
 
-The code is gds_gather/benches.py (also `gds-gather bench storage`); `--help` lists every option.
+The code is gds_gather/benches/ (also `gds-gather bench storage`); `--help` lists every option.
 Importable: main(argv=None) -> dict.
 """
 from __future__ import annotations

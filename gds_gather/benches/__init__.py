@@ -1,0 +1,80 @@
+"""Benchmarks users can run: storage bandwidth (gdsio-style), the gather microbenchmark, prefill A/B.
+
+    gds-gather bench storage [--file F | --size 8G] [--io-size 4K,64K,1M,16M] [--threads N] [--qd N]
+                             [--pattern rand|seq] [--path gpu-direct,cpu-gpu,cpu] [--cold] [--seconds S]
+    gds-gather bench gather  [--tables qwen4exp,gemma4-e4b] [--backends ...] [--warm cache|tmpfs|none]
+    gds-gather bench prefill [--model F] [--backends ...] [--tokens N] [--trunk none|tiny|real]
+
+bench/bench_storage.py, bench_gather.py, bench_prefill.py (and bench_io.py, the gather bench on random ids) run the
+same code. Every bench prints a header of machine facts (CPU, cores, GPU, driver, GPU-direct storage state,
+filesystem, device), warms up, repeats each measurement (--repeat) and reports medians; --json ends the output with
+one JSON line, a JSON file goes to --out, --plot FILE.png draws the backends side by side (matplotlib with the Agg
+canvas: `pip install 'gds-gather[plot]'`), and --quick makes a small run. Importable: storage_main(argv),
+gather_main(argv), prefill_main(argv) return the result dict.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..config import Config
+from .gather import _gather_args, gather_pass, run_gather
+from .prefill import _prefill_args, run_prefill_bench
+from .report import HOST_BACKENDS, default_dir, go_cold, human_size, parse_size
+from .storage import _storage_args, gdsio_line, run_storage, storage_file, storage_run
+
+__all__ = ["BENCHES", "HOST_BACKENDS", "add_arguments", "build_parser", "default_dir", "gather_main", "gather_pass",
+           "gdsio_line", "go_cold", "human_size", "main", "parse_size", "prefill_main", "run", "storage_file",
+           "storage_main", "storage_run"]
+
+BENCHES = {
+    "storage": (_storage_args, run_storage,
+                "storage-to-memory bandwidth after gdsio: GPU_DIRECT (cuFile), CPU_GPU (pinned bounce buffer + H2D "
+                "copy), CPU only; GiB/s, IOPS, mean and p99 latency per I/O size"),
+    "gather": (_gather_args, run_gather,
+               "the gather microbenchmark: a real-text row-id trace on qwen4exp- and gemma4-e4b-geometry tables, "
+               "every backend cold and warm, against fio on the same file"),
+    "prefill": (_prefill_args, run_prefill_bench,
+                "prefill A/B: backends interleaved, cold and warm, tok/s min/median/max"),
+}
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """The options of bench `name` (shared by `gds-gather bench NAME` and bench/bench_NAME.py)."""
+    BENCHES[name][0](p)
+    p.add_argument("--repeat", type=int, help="timed repetitions per measurement, median shown "
+                                              "(default 3; --quick 2)")
+    p.add_argument("--cold-method", choices=("drop", "evict"), default="drop",
+                   help="how to go cold: drop = the whole page cache (root; evict without root), evict = "
+                        "POSIX_FADV_DONTNEED on the file only")
+    p.add_argument("--quick", action="store_true", help="a small, short run (smoke test)")
+    p.add_argument("--dir", help="where made files live (default bench/out in a checkout, else the cache dir)")
+    p.add_argument("--out", help="where the JSON file goes (default --dir)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the results (matplotlib)")
+    p.add_argument("--json-name", help=argparse.SUPPRESS)
+
+
+def build_parser(name: str, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or f"gds-gather bench {name}", description=BENCHES[name][2])
+    add_arguments(name, p)
+    return p
+
+
+def run(name: str, args, cfg: Config | None = None) -> dict:
+    return BENCHES[name][1](args, cfg or Config.from_env())
+
+
+def main(name: str, argv=None, prog: str | None = None) -> dict:
+    return run(name, build_parser(name, prog).parse_args(argv))
+
+
+def storage_main(argv=None) -> dict:
+    return main("storage", argv, "bench_storage.py")
+
+
+def gather_main(argv=None) -> dict:
+    return main("gather", argv, "bench_gather.py")
+
+
+def prefill_main(argv=None) -> dict:
+    return main("prefill", argv, "bench_prefill.py")

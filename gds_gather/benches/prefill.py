@@ -1,0 +1,162 @@
+"""bench prefill: run_prefill with the backends interleaved (A/B/A/B), cold and warm, tok/s min/median/max."""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from ..config import Config
+from .gather import default_backends
+from .plot import bars, figure, panel_series
+from .report import (HOST_BACKENDS, MiB, bench_facts, default_dir, go_cold, machine_title, median_run, print_header,
+                     ratio_line, write_result)
+
+def _prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", help="GGUF model (repeatable; default: the built-in qwen4exp model)")
+    p.add_argument("--prompt", help="text file (default: the Python documentation topics)")
+    p.add_argument("--tokens", type=int, help="prompt tokens (default 8192; --quick 2048)")
+    p.add_argument("--ubatch", type=int, help="default 2048; --quick 1024")
+    p.add_argument("--backends", help="comma list (default direct,pread,mmap,readahead,resident, and gds on a "
+                                      "discrete GPU with KvikIO)")
+    p.add_argument("--no-cold", action="store_true")
+    p.add_argument("--no-warm", action="store_true")
+    p.add_argument("--trunk", choices=("real", "tiny", "none"),
+                   help="synthetic trunk (default: none on the CPU, i.e. the PLE fetch + dequant alone; real on a GPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--no-graph", action="store_true", help="GPU: run the steps eagerly (no CUDA graph)")
+    p.add_argument("--targets", action="store_true",
+                   help="the prefill issue's ratios: adds direct:nograph (GPU), fio's IOPS on the same file, and "
+                        "direct cold vs min(resident, storage-bound tok/s) and vs mmap")
+
+
+def run_prefill_bench(a, cfg: Config) -> dict:
+    import gds_gather as gg
+    from ..platform import detect
+    from ..prefill import default_model, run_prefill
+    q = a.quick
+    a.tokens = a.tokens or (2048 if q else 8192)
+    a.ubatch = a.ubatch or (1024 if q else 2048)
+    a.repeat = a.repeat or (2 if q else 3)
+    if min(a.tokens, a.ubatch, a.repeat) < 1:
+        raise ValueError("--tokens, --ubatch and --repeat must be >= 1")
+    plat = detect(cfg.platform)
+    gpu = plat.kind != "cpu"
+    trunk = a.trunk or ("real" if gpu else "none")
+    if a.backends:
+        backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    else:
+        backends = list(HOST_BACKENDS) + (["gds"] if "gpu:gds" in default_backends(cfg) else [])
+    if a.targets:
+        backends = list(dict.fromkeys(["direct", "mmap", "resident"] + backends
+                                      + (["direct:nograph"] if gpu and not a.no_graph else [])))
+    models = [Path(m) for m in a.model] if a.model else [default_model(cfg, progress=True)]
+    with gg.open_table(models[0], config=cfg) as t:
+        facts = bench_facts(t.path, cfg)
+    print_header("prefill", facts)
+    pipeline = ("GPU pipeline (graph-captured fetch-dequant + trunk)" if gpu and not a.no_graph else
+                "GPU pipeline, eager" if gpu else "CPU pipeline (no GPU here)")
+    trunk_note = {"none": "none: the PLE fetch + dequant alone (the CPU default; --trunk tiny|real adds a synthetic "
+                          "torch trunk)",
+                  "tiny": "tiny synthetic torch trunk", "real": "synthetic trunk with the real shapes"}[trunk]
+    print(f"# {pipeline}; trunk {trunk_note}; {a.tokens:,} tokens in ubatches of {a.ubatch:,}; backends interleaved "
+          f"{'/'.join(backends)}; one warm-up run each, then {a.repeat} runs per backend cold (page cache emptied "
+          f"before each run) and warm; tok/s min/median/max", flush=True)
+    if "resident" in backends:
+        print("# resident: each run opens the table afresh, so its time includes loading the whole table", flush=True)
+    result = {"bench": "prefill", "facts": facts, "backends": backends, "trunk": trunk, "pipeline": pipeline,
+              "tokens": a.tokens, "ubatch": a.ubatch, "repeat": a.repeat, "models": []}
+    kw = dict(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, cold=False, trunk=trunk,
+              dtype=a.dtype, progress=False, log=None)
+    for model in models:
+        with gg.open_table(model, config=cfg) as t:
+            table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
+                                        f"{t.row_bytes:,} B")
+        print(f"\n## {model} ({desc})", flush=True)
+        def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
+            name, _, mod = b.partition(":")
+            return run_prefill(model, cfg, backend=name, **{**kw, "graph": kw["graph"] and mod != "nograph"})
+        for b in backends:                      # warm-up: first-use costs (native build, kernels, graphs)
+            one(b)
+        m = {"model": str(model), "table": desc, "runs": []}
+        series = [c for c in ("cold", "warm") if not getattr(a, f"no_{c}")]
+        for cache in series:
+            runs: dict = {b: [] for b in backends}
+            for rep in range(a.repeat):
+                for b in backends:
+                    if cache == "cold":
+                        go_cold(table_path, a.cold_method)
+                    runs[b].append(one(b))
+                print(f"    {cache} run {rep + 1}/{a.repeat}: "
+                      + "  ".join(f"{b} {runs[b][-1]['tok_per_s']:,.0f}" for b in backends) + " tok/s", flush=True)
+            for b in backends:
+                tok = [r["tok_per_s"] for r in runs[b]]
+                mid = median_run(runs[b], "tok_per_s")
+                s = {"backend": b, "cache": cache, "tok_per_s_min": min(tok), "tok_per_s_median": statistics.median(tok),
+                     "tok_per_s_max": max(tok), "tok_per_s_all": tok, "rows_per_s": mid["rows_per_s"],
+                     "read_amplification": mid["read_amplification"],
+                     "page_cache_growth_MiB": mid["page_cache_growth_bytes"] / MiB, "ple_rows": mid["ple_rows"],
+                     "unique_rows": mid["unique_rows"], "io_seconds": mid["io_seconds"], "how": mid["how"],
+                     "pipeline": mid["pipeline"]}
+                m["runs"].append(s)
+                print(f"  {b:<10} {cache:<4} tok/s  min {s['tok_per_s_min']:>10,.0f}  median {s['tok_per_s_median']:>10,.0f}"
+                      f"  max {s['tok_per_s_max']:>10,.0f}   PLE rows/s {s['rows_per_s']:>11,.0f}  "
+                      f"ampl {s['read_amplification']:5.1f}x  cache +{s['page_cache_growth_MiB']:6.1f} MiB   "
+                      f"[{s['how']}]", flush=True)
+        get = {(r["backend"], r["cache"]): r["tok_per_s_median"] for r in m["runs"]}
+        print("ratios (median tok/s):")
+        for cache in series:
+            for other in ("mmap", "pread", "resident"):
+                if ("direct", cache) in get and (other, cache) in get and other != "direct":
+                    print(ratio_line(f"direct / {other} ({cache})", get[("direct", cache)], get[(other, cache)]))
+        if a.targets and ("direct", "cold") in get:
+            m["targets"] = _prefill_targets(table_path, get, m["runs"], a)
+        result["models"].append(m)
+    data_dir = Path(a.dir or a.out or default_dir(cfg))
+    return write_result("prefill", result, a, Path(a.out or data_dir), _plot_prefill)
+
+
+def _prefill_targets(path, get: dict, runs: list, a) -> dict:
+    """The prefill issue's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
+    from .. import measure
+    cold = next(r for r in runs if r["backend"] == "direct" and r["cache"] == "cold")
+    rows_per_tok = cold["unique_rows"] / max(1, a.tokens)
+    fio = measure.fio_randread(path, bs="4k", direct=True, iodepth=128, runtime=3 if a.quick else 5)
+    iops = fio.get("iops") if fio else None
+    bound = iops / rows_per_tok if iops else None
+    resident = get.get(("resident", "warm")) or get.get(("resident", "cold"))
+    d = get[("direct", "cold")]
+    t = {"direct_cold_tok_s": d, "unique_rows_per_token": rows_per_tok, "fio_4k_iops": iops,
+         "storage_bound_tok_s": bound, "resident_tok_s": resident}
+    print("targets (prefill issue):")
+    if iops:
+        print(f"  storage-bound tok/s = fio 4K randread {iops:,.0f} IOPS / {rows_per_tok:.2f} unique rows per token "
+              f"= {bound:,.0f}")
+    limits = [x for x in (resident, bound) if x]
+    if limits:
+        print(ratio_line("direct cold / min(resident, storage-bound)", d, min(limits), 0.9))
+    if ("mmap", "cold") in get:
+        print(ratio_line("direct cold / mmap cold", d, get[("mmap", "cold")], 3.0))
+    for cache in ("cold", "warm"):
+        if ("direct:nograph", cache) in get:
+            print(ratio_line(f"graph / no-graph ({cache})", get[("direct", cache)], get[("direct:nograph", cache)]))
+    return t
+
+
+def _plot_prefill(res: dict, out) -> None:
+    models = res["models"]
+    if not models:
+        raise ValueError("nothing was measured: no plot")
+    fig, axes = figure(len(models), 6.6, 4.6)
+    for ax, m in zip(axes, models):
+        backends, caches, pick = panel_series(res["backends"], m["runs"])
+        bars(ax, backends, caches, {c: [pick(b, c, "tok_per_s_median") for b in backends] for c in caches},
+              lo={c: [pick(b, c, "tok_per_s_min") for b in backends] for c in caches},
+              hi={c: [pick(b, c, "tok_per_s_max") for b in backends] for c in caches},
+              log=True, ylabel="tokens per second (median; whiskers: min-max)")
+        ax.set_title(f"{Path(m['model']).name}: {m['table']}", fontsize=9)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"gds-gather bench prefill: {res['pipeline']}, trunk {res['trunk']}, {res['tokens']:,} tokens, "
+                 f"ubatch {res['ubatch']:,}\n{machine_title(res['facts'])}", fontsize=10)
+    fig.savefig(out)
+
+

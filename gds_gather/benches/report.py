@@ -1,0 +1,202 @@
+"""What every bench shares: sizes, the machine-facts header, going cold, medians, ratios, the JSON file."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from .. import measure
+from ..config import Config
+
+REPO = Path(__file__).resolve().parents[2]
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+HOST_BACKENDS = ("direct", "pread", "mmap", "readahead", "resident")
+
+
+def parse_size(s) -> int:
+    """'4K' -> 4096, '1M', '8G', '512' (bytes); binary units, an optional 'iB'/'B' suffix."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(s), re.I)
+    if not m:
+        raise ValueError(f"not a size: {s!r} (examples: 4K, 64K, 1M, 8G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def human_size(n: int) -> str:
+    """4096 -> '4K', 16 MiB -> '16M', 8 GiB -> '8G' (exact multiples), else bytes."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def short_num(x: float) -> str:
+    """Compact figure for plot labels: 95.7k, 6.8M, 1.23."""
+    if not math.isfinite(x):
+        return ""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def default_dir(cfg: Config) -> Path:
+    """Where made files (test files, built tables) live: bench/out in a checkout, else the cache directory."""
+    bench = REPO / "bench"
+    if (bench / "bench_io.py").exists() and os.access(bench, os.W_OK):
+        return bench / "out"
+    return Path(cfg.cache_dir) / "bench"
+
+
+def go_cold(path, method: str = "drop") -> str:
+    """Empty the page cache (drop_caches as root) or evict just this file; returns what was done."""
+    if method == "drop" and measure.drop_caches():
+        return "drop_caches"
+    measure.evict_file(path)
+    return "POSIX_FADV_DONTNEED on the file"
+
+
+def block_device(path) -> str:
+    """The block device under `path`, e.g. 'nvme0n1 (nvme, SAMSUNG MZQL23T8HCLS)' or 'vda (virtio)'."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return "?"
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not base.exists():
+        return f"no block device (device {os.major(dev)}:{os.minor(dev)}: tmpfs, overlay or network)"
+    real = base.resolve()
+    if (real / "partition").exists():
+        real = real.parent
+    name, s = real.name, str(real)
+    kind = ("nvme" if name.startswith("nvme") else "virtio" if "/virtio" in s else "device-mapper"
+            if name.startswith("dm-") else "md raid" if name.startswith("md") else "loop" if name.startswith("loop")
+            else "zram" if name.startswith("zram") else "scsi/sata" if name.startswith("sd") else "")
+    model = ""
+    for f in (real / "device" / "model", real / "device" / "device" / "model"):
+        try:
+            model = f.read_text().strip()
+            break
+        except OSError:
+            pass
+    what = ", ".join(x for x in (kind, model) if x)
+    return f"{name} ({what})" if what else name
+
+
+def fio_version() -> str:
+    fio = shutil.which("fio")
+    if not fio:
+        return "not installed"
+    try:
+        return subprocess.run([fio, "--version"], capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def gpu_facts(cfg: Config) -> dict:
+    """GPU, driver and GPU-direct storage state (imports cupy/kvikio only where a GPU platform is detected)."""
+    from ..platform import detect
+    plat = detect(cfg.platform)
+    d = {"platform": plat.kind, "platform_reason": plat.reason, "gpu": plat.device or "none",
+         "driver": "n/a", "gds": "n/a (no GPU)"}
+    if plat.kind == "cpu":
+        return d
+    parts = []
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module(?: for \S+)?\s+([\d.]+)", f.read())
+            if m:
+                parts.append(f"NVIDIA {m.group(1)}")
+    except OSError:
+        pass
+    try:
+        import cupy
+        v = cupy.cuda.runtime.driverGetVersion()
+        parts.append(f"{'HIP' if cupy.cuda.runtime.is_hip else 'CUDA'} {v // 1000}.{v % 1000 // 10}")
+    except Exception as e:  # a broken driver is a fact too
+        parts.append(f"version unknown ({type(e).__name__})")
+    d["driver"] = ", ".join(parts)
+    if plat.kind == "discrete":
+        from ..backends import gds_state
+        ok, real, why = gds_state()
+        d["gds"] = ("real GPU-direct storage" if real else "compat mode" if ok else "unavailable") + f": {why}"
+    else:
+        d["gds"] = f"n/a on a {plat.kind} platform"
+    return d
+
+
+def bench_facts(path, cfg: Config) -> dict:
+    f = measure.machine_facts(path)
+    f.update(gpu_facts(cfg))
+    f.update(device=block_device(path), fio=fio_version())
+    return f
+
+
+def print_header(name: str, f: dict) -> None:
+    print(f"# gds-gather bench {name}")
+    print(f"# machine  {f['cpu']}, {f['cores']} cores, {f['mem_GiB']} GiB RAM, Linux {f['kernel']}, "
+          f"Python {f['python']}, numpy {f['numpy']}")
+    print(f"# gpu      {f['gpu']}; platform {f['platform']} ({f['platform_reason']}); driver {f['driver']}; "
+          f"GDS {f['gds']}")
+    print(f"# storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
+          f"{f['logical_block']} B logical blocks")
+    print(f"# tools    fio: {f['fio']}", flush=True)
+
+
+def machine_title(f: dict) -> str:
+    cpu = re.sub(r"\((R|TM)\)|\bCPU\b|\s@.*$", "", f.get("cpu", "?"))
+    cpu = re.sub(r"\s+", " ", cpu).strip()
+    gpu = f.get("gpu") if f.get("gpu") not in (None, "", "none") else "no GPU"
+    return f"{cpu} ({f.get('cores')} cores), {gpu}; {f.get('filesystem', '?')} on {f.get('device', '?')}"
+
+
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median (the upper middle one for an even count), with every value listed."""
+    best = dict(sorted(runs, key=lambda r: r[key])[len(runs) // 2])
+    best[key + "_all"] = [r[key] for r in runs]
+    return best
+
+
+def ratio_line(name: str, a, b, target=None) -> str:
+    if not a or not b:
+        return f"  {name}: n/a"
+    x = a / b
+    verdict = "" if target is None else ("  PASS" if x >= target else "  MISS") + f" (target >= {target})"
+    return f"  {name} = {x:.2f}x{verdict}"
+
+
+def jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
+
+
+def write_result(name: str, result: dict, a, out_dir: Path, plot) -> dict:
+    """Write the JSON file, draw the plot, print the JSON line."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (a.json_name or f"bench_{name}.json")
+    if a.plot:
+        try:
+            plot(result, a.plot)
+            result["plot"] = str(a.plot)
+            print(f"plot: {a.plot}")
+        except ImportError as e:
+            print(f"plot: skipped, matplotlib is not installed (pip install 'gds-gather[plot]'): {e}")
+    result["json_file"] = str(path)
+    path.write_text(json.dumps(result, indent=1, default=jsonable))
+    print(f"json: {path}")
+    if a.json:
+        print(json.dumps(result, default=jsonable))
+    return result
+
