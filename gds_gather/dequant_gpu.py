@@ -418,13 +418,17 @@ _host_lock = threading.Lock()
 
 
 @functools.cache
-def host_library() -> ctypes.CDLL:
-    """The host build of the kernels (kernels/host_check.cu), compiled once and cached by content hash."""
+def host_library(soft_mul: bool = False) -> ctypes.CDLL:
+    """The host build of the kernels (kernels/host_check.cu), compiled once and cached by content hash.
+
+    soft_mul=True builds gg_mul the way HIP devices run it (hardware multiply only where every value is normal,
+    the integer IEEE multiply otherwise), so the ROCm path is checked bit for bit here too.
+    """
     cmd = _host_compiler()
     if cmd is None:
         raise BackendError("building the host check of the CUDA kernels needs a C++ compiler (g++, clang++) or nvcc")
     files = {n: _read_source(n) for n in (*KERNEL_SOURCES, HOST_SOURCE)}
-    flags = [f"-D{k}={v}" for k, v in defines().items()]
+    flags = [f"-D{k}={v}" for k, v in defines().items()] + (["-DGG_SOFT_MUL=1"] if soft_mul else [])
     key = hashlib.sha256(repr((cmd, flags, sorted(files.items()))).encode()).hexdigest()[:20]
     cache = Path(tempfile.gettempdir()) / f"gds_gather-{os.getuid() if hasattr(os, 'getuid') else 'u'}"
     lib = cache / f"gg_host_{key}.so"
@@ -447,7 +451,19 @@ def host_library() -> ctypes.CDLL:
     dll.gg_host_gather.argtypes = [i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32, ctypes.c_float, i32]
     for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather):
         f.restype = i32
+    dll.gg_host_mul.argtypes = [c_p, c_p, c_p, i64]
+    dll.gg_host_mul.restype = None
     return dll
+
+
+def host_mul(a: np.ndarray, b: np.ndarray, soft_mul: bool = False) -> np.ndarray:
+    """The kernels' gg_mul over float32 arrays, run on the host (soft_mul: as HIP devices compute it)."""
+    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} and {b.shape}")
+    out = np.empty_like(a)
+    host_library(soft_mul).gg_host_mul(_ptr(a), _ptr(b), _ptr(out), a.size)
+    return out
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -462,7 +478,7 @@ def host_geometry(qtype) -> tuple[int, int]:
     return qk.value, ts.value
 
 
-def host_dequantize(blocks: np.ndarray, qtype) -> np.ndarray:
+def host_dequantize(blocks: np.ndarray, qtype, soft_mul: bool = False) -> np.ndarray:
     """The CUDA block dequantizers run on the host: uint8 [..., k * type_size] -> float32 [..., k * block_size].
 
     Same shape convention as gguf.quants.dequantize, and (by construction and test) the same bits.
@@ -477,7 +493,7 @@ def host_dequantize(blocks: np.ndarray, qtype) -> np.ndarray:
     n_blocks = raw.size // size
     out = np.empty(raw.shape[:-1] + (raw.shape[-1] // size * block,), np.float32)
     if n_blocks:
-        rc = host_library().gg_host_dequant(int(qt), _ptr(raw), n_blocks, _ptr(table_blob()), _ptr(out))
+        rc = host_library(soft_mul).gg_host_dequant(int(qt), _ptr(raw), n_blocks, _ptr(table_blob()), _ptr(out))
         if rc:
             raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
     return out
@@ -501,7 +517,7 @@ def _check_host_args(staging, row_offsets, inverse, rb: int):
 
 
 def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None, layout="flat",
-                n_layer=None) -> np.ndarray:
+                n_layer=None, soft_mul: bool = False) -> np.ndarray:
     """gather_rows' kernel body run on the host over numpy arrays (bounds-checked), for tests and debugging.
 
     Returns float32 / float16 numpy arrays, or uint16 holding bfloat16 bits.
@@ -514,7 +530,7 @@ def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float
     out = np.empty(_out_shape(inv.shape, n, row_elems, seg, layout),
                    {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[name])
     if n:
-        rc = host_library().gg_host_gather(
+        rc = host_library(soft_mul).gg_host_gather(
             int(qt), OUT_DTYPES[name], int(inv.dtype == np.int64), _ptr(staging), _ptr(offs), _ptr(inv), _ptr(out),
             _ptr(table_blob()), n, row_elems, seg, 1.0 if scale is None else float(np.float32(scale)),
             int(scale is not None))

@@ -32,11 +32,19 @@ typedef unsigned long long uint64_t;
 #include <cstdint>
 #include <cstring>
 #endif
+#if defined(__HIP__) && !defined(__HIPCC_RTC__)   // hipcc (cupy's hiprtc path adds this include itself)
+#include <hip/hip_runtime.h>
+#endif
 
-#if !defined(__CUDACC__)   // plain C++ (g++): the CUDA qualifiers mean nothing
+// Compilers: nvcc/NVRTC define __CUDACC__; hipcc/hiprtc (clang -x hip) define __HIP__ (and __HIPCC__), not
+// __CUDACC__. GG_DEVICE is set in device compilation passes of either, where CUDA/HIP intrinsics exist.
+#if !defined(__CUDACC__) && !defined(__HIP__)   // plain C++ (g++): the CUDA qualifiers mean nothing
 #define __host__
 #define __device__
 #define __global__
+#endif
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#define GG_DEVICE 1
 #endif
 #define GG_HD __host__ __device__ inline
 
@@ -70,7 +78,7 @@ GG_TYPE_LIST(GG_TRAITS)
 
 // ---- bits ---------------------------------------------------------------------------------------------------
 GG_HD float gg_f32(uint32_t u) {
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
     return __uint_as_float(u);
 #else
     float f;
@@ -80,7 +88,7 @@ GG_HD float gg_f32(uint32_t u) {
 }
 
 GG_HD uint32_t gg_bits(float f) {
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
     return __float_as_uint(f);
 #else
     uint32_t u;
@@ -89,15 +97,56 @@ GG_HD uint32_t gg_bits(float f) {
 #endif
 }
 
-// a * b, rounded to nearest even, subnormal operands and results kept. On the device this is an explicit
+// IEEE a * b in integer arithmetic: round to nearest even, subnormal operands and results kept, NaN as x86 SSE
+// and numpy give it (the first NaN operand, quieted; inf * 0 is the default NaN 0xFFC00000). Used where no
+// explicit-rounding instruction is available (HIP: cupy compiles with -fcuda-flush-denormals-to-zero, and HIP
+// has no inline PTX); checked bit for bit against numpy float32 products by the host build (GG_SOFT_MUL).
+GG_HD float gg_soft_mul(float fa, float fb) {
+    const uint32_t a = gg_bits(fa), b = gg_bits(fb), sign = (a ^ b) & 0x80000000u;
+    const uint32_t aa = a & 0x7fffffffu, ab = b & 0x7fffffffu;
+    if (aa > 0x7f800000u) return gg_f32(a | 0x00400000u);
+    if (ab > 0x7f800000u) return gg_f32(b | 0x00400000u);
+    if (aa == 0x7f800000u || ab == 0x7f800000u) return gg_f32((aa == 0 || ab == 0) ? 0xffc00000u : sign | 0x7f800000u);
+    if (aa == 0 || ab == 0) return gg_f32(sign);
+    int ea = (int)(aa >> 23), eb = (int)(ab >> 23);
+    uint32_t ma = aa & 0x7fffffu, mb = ab & 0x7fffffu;
+    if (ea) ma |= 0x800000u; else ea = 1;               // subnormal: exponent 1, no implicit bit
+    if (eb) mb |= 0x800000u; else eb = 1;
+    while (!(ma & 0x800000u)) { ma <<= 1; --ea; }      // normalize: mantissas in [2^23, 2^24)
+    while (!(mb & 0x800000u)) { mb <<= 1; --eb; }
+    uint64_t p = (uint64_t)ma * mb;                     // in [2^46, 2^48)
+    int e = ea + eb - 127;                              // biased exponent if p is in [2^46, 2^47)
+    if (p >> 47) ++e; else p <<= 1;                     // now p in [2^47, 2^48): value = p / 2^47 * 2^(e-127)
+    int shift = 24;                                     // keep 24 bits: mantissa with its implicit bit
+    if (e < 1) shift += 1 - e;                          // subnormal result: keep fewer bits
+    uint64_t m = 0;                                     // shift >= 49: below half the smallest subnormal
+    if (shift < 49) {
+        m = p >> shift;
+        const uint64_t rem = p & ((1ull << shift) - 1), half = 1ull << (shift - 1);
+        if (rem > half || (rem == half && (m & 1))) ++m;
+    }
+    if (e < 1) return gg_f32(sign | (uint32_t)m);      // subnormal (m == 2^23 rounds up into the smallest normal)
+    if (m >> 24) { m >>= 1; ++e; }                      // rounding carried into a new binade
+    if (e >= 255) return gg_f32(sign | 0x7f800000u);
+    return gg_f32(sign | ((uint32_t)e << 23) | ((uint32_t)m & 0x7fffffu));
+}
+
+// a * b, rounded to nearest even, subnormal operands and results kept. On NVIDIA devices this is an explicit
 // mul.rn.f32: CuPy appends -ftz=true to every NVRTC compile (after our --ftz=false), and the two products that
 // can meet subnormals (MXFP4 with e8m0 exponent 0 or 1; the optional output scale, e.g. on F32/BF16 subnormals)
 // must not be flushed. Every other operation here only sees normal values (fp16 scales are multiples of 2^-24).
+// On HIP devices (and in the host build with GG_SOFT_MUL) the hardware multiply is used only where operands and
+// exact product are all normal (exponent sum >= 2^-125: flushing cannot apply, IEEE rounding is the same), and
+// gg_soft_mul otherwise.
 GG_HD float gg_mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
     float r;
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
+#elif defined(__HIP_DEVICE_COMPILE__) || defined(GG_SOFT_MUL)
+    const uint32_t ea = (gg_bits(a) >> 23) & 0xffu, eb = (gg_bits(b) >> 23) & 0xffu;
+    if (ea - 1u < 254u && eb - 1u < 254u && ea + eb >= 129u) return a * b;
+    return gg_soft_mul(a, b);
 #else
     return a * b;
 #endif
@@ -114,7 +163,7 @@ GG_HD uint32_t gg_ld32(const uint8_t* p) {
 }
 // Aligned table loads (every table in the blob starts at a multiple of 16 bytes, rows are 4 or 8 bytes).
 GG_HD uint32_t gg_tab32(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
     return __ldg(reinterpret_cast<const unsigned int*>(p));
 #else
     uint32_t u;
@@ -123,7 +172,7 @@ GG_HD uint32_t gg_tab32(const uint8_t* p) {
 #endif
 }
 GG_HD uint64_t gg_tab64(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
     return __ldg(reinterpret_cast<const unsigned long long*>(p));
 #else
     uint64_t u;

@@ -69,7 +69,7 @@ template <int OD> GG_HD uint32_t gg_one16(float v) { return gg_pack2<OD>(v, 0.0f
 
 // log2 of a power of two.
 GG_HD int gg_log2(int x) {
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
     return 31 - __clz(x);
 #else
     int r = 0;
@@ -82,7 +82,7 @@ GG_HD int gg_log2(int x) {
 template <int OD> GG_HD void gg_store8(void* __restrict__ out, long long at, const float* v) {
     if constexpr (OD == 0) {
         float* p = static_cast<float*>(out) + at;
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
         if ((reinterpret_cast<unsigned long long>(p) & 15) == 0) {
             reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
             reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -94,7 +94,7 @@ template <int OD> GG_HD void gg_store8(void* __restrict__ out, long long at, con
         uint16_t* p = static_cast<uint16_t*>(out) + at;
         const uint32_t w0 = gg_pack2<OD>(v[0], v[1]), w1 = gg_pack2<OD>(v[2], v[3]);
         const uint32_t w2 = gg_pack2<OD>(v[4], v[5]), w3 = gg_pack2<OD>(v[6], v[7]);
-#if defined(__CUDA_ARCH__)
+#if defined(GG_DEVICE)
         if ((reinterpret_cast<unsigned long long>(p) & 15) == 0) {
             reinterpret_cast<uint4*>(p)[0] = make_uint4(w0, w1, w2, w3);
             return;
@@ -153,13 +153,20 @@ GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* 
 }
 
 // ---- the kernel -----------------------------------------------------------------------------------------------
-#if defined(__CUDACC__)
+// CUDA (nvcc/NVRTC) and HIP (hipcc/hiprtc): the same kernel. HIP's second __launch_bounds__ argument means
+// waves per execution unit, not CTAs per SM, so HIP gets the thread bound alone.
+#if defined(__CUDACC__) || defined(__HIP__)
 #define GG_BLOCK 256
 #ifndef GG_MIN_CTAS
 #define GG_MIN_CTAS 6   // resident CTAs per SM the registers must allow: 40 registers, no spills on sm_90
 #endif
+#if defined(__HIP__)
+#define GG_LAUNCH_BOUNDS __launch_bounds__(GG_BLOCK)
+#else
+#define GG_LAUNCH_BOUNDS __launch_bounds__(GG_BLOCK, GG_MIN_CTAS)
+#endif
 template <int T, int OD, typename I>
-__global__ void __launch_bounds__(GG_BLOCK, GG_MIN_CTAS)
+__global__ void GG_LAUNCH_BOUNDS
 gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets, const I* __restrict__ inverse,
           void* __restrict__ out, const uint8_t* __restrict__ tab, long long n_rows, int row_elems, int seg,
           int rows_per_cta, float scale, int has_scale) {
@@ -182,16 +189,24 @@ gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ off
     }
 }
 
-#if defined(GG_INSTANTIATE_ALL)   // every kernel the Python side names (nvcc compile check)
+// Compile checks (nvcc, hipcc): GG_INSTANTIATE_ALL builds every kernel the Python side names (26 types x 3 output
+// dtypes x 2 index types); GG_INSTANTIATE_EACH_TYPE builds one per type (int indices, output dtype id % 3, so
+// every dequantizer and every output path is compiled) plus Q4_0's other five: 31, for slower compilers.
 #define GG_INST1(id, od, I)                                                                                      \
     template __global__ void gg_gather<id, od, I>(const uint8_t* __restrict__, const long long* __restrict__,  \
                                                   const I* __restrict__, void* __restrict__,                   \
                                                   const uint8_t* __restrict__, long long, int, int, int, float, int);
+#if defined(GG_INSTANTIATE_ALL)
 #define GG_INST(name, id, qk, ts)                                                                                \
     GG_INST1(id, 0, int) GG_INST1(id, 1, int) GG_INST1(id, 2, int)                                               \
     GG_INST1(id, 0, long long) GG_INST1(id, 1, long long) GG_INST1(id, 2, long long)
 GG_TYPE_LIST(GG_INST)
 #undef GG_INST
-#undef GG_INST1
+#elif defined(GG_INSTANTIATE_EACH_TYPE)
+#define GG_INST(name, id, qk, ts) GG_INST1(id, id % 3, int)
+GG_TYPE_LIST(GG_INST)
+#undef GG_INST
+GG_INST1(2, 0, int) GG_INST1(2, 1, int) GG_INST1(2, 0, long long) GG_INST1(2, 1, long long) GG_INST1(2, 2, long long)
 #endif
-#endif  // __CUDACC__
+#undef GG_INST1
+#endif  // __CUDACC__ || __HIP__

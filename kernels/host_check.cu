@@ -86,4 +86,9 @@ int gg_host_gather(int type, int od, int idx64, const uint8_t* staging, const lo
     return -1;
 }
 
+// out[i] = gg_mul(a[i], b[i]): the device multiply as this build compiles it (GG_SOFT_MUL: HIP's path).
+void gg_host_mul(const float* a, const float* b, float* out, long long n) {
+    for (long long i = 0; i < n; ++i) out[i] = gg_mul(a[i], b[i]);
+}
+
 }  // extern "C"
