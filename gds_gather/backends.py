@@ -98,6 +98,18 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
     return name, forced
 
 
+def choose_device(table, backend: str = "auto", config: Config | None = None) -> tuple[str, str, str]:
+    """The one "gds or direct" decision for rows of `table` that must end in GPU memory: (backend, mode, why).
+
+    Table.fetch_device, GpuPrefill and the benches all call this, so each reports the same choice and reason.
+    Where real GPU-direct storage exists, auto times gds against direct + pinned copy on 512 rows of this table
+    (once per table: Table._gds_faster) and picks the faster; elsewhere the platform decides (resolve_device).
+    """
+    cfg = config or table.config
+    return resolve_device(backend, cfg, window_bytes=table._typical_window(),
+                          gds_faster=getattr(table, "_gds_faster", None))
+
+
 def resolve_device(backend: str, config: Config | None = None, window_bytes: int = 4096,
                    gds_faster=None) -> tuple[str, str, str]:
     """(backend, destination mode, why) for rows that must end in GPU memory.
@@ -115,6 +127,8 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
     if name == "auto" and cfg.backend != "auto":
         name = cfg.backend
     if name == "gds":
+        if plat.kind == "rocm":
+            raise BackendError("backend 'gds' is not available on ROCm: KvikIO/cuFile is CUDA-only")
         ok, real, why = gds_state()
         if not ok:
             raise BackendError(f"backend 'gds' is not available here: {why}")

@@ -6,7 +6,12 @@ and reads them into slot k%2, fills the slot's pinned index buffers and sets the
 discrete GPU, of the compacted rows) from pinned memory, the dequant-scatter kernel, the flag re-arm, the
 per-layer-input math and every trunk layer. Unified memory: the kernel reads the rows in place from GPU-mapped
 staging (no copy). gds: cuFile reads into device staging complete before the replay (cuFile cannot be inside a
-graph) and the graph holds the rest. graph=False runs the same steps eagerly (still overlapped).
+graph) and the graph holds the rest. graph=False runs the same steps eagerly (still overlapped). On ROCm the
+pipeline runs eagerly (the wait-value node is a CUDA driver call; the reason is in `how` and the result).
+
+The host-side order (stage, release, replay, slot reuse, and the release + drain on any error) is
+gds_gather.schedule.run_ubatches; GpuPrefill is its device. Every buffer a graph captures is sized for the
+largest plan the graph can see (schedule.staging_bound) and a plan beyond it is refused before it is read.
 
 CPU (no GPU): the same steps in order on the host, with gguf's dequantizer and a torch CPU trunk; no graph.
 """
@@ -21,9 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import quants
-from .backends import resolve, resolve_device
+from .backends import choose_device, resolve
 from .config import Config
 from .readers import HOST_READERS, rows_from_windows
+from .schedule import check_fits, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +90,24 @@ class GpuPrefill:
         import torch
         from . import dequant_gpu
         from .graph import HostFlags
+        from .platform import detect
         self.torch, self.kern = torch, dequant_gpu
         self.t, self.mapper, self.graph, self.ubatch = table, mapper, graph, ubatch
         self.cfg = config or table.config
+        self.platform = detect(self.cfg.platform)
+        self.graph_why = "CUDA graph per (ubatch size, slot)" if graph else "eager: graph=False (--no-graph)"
+        if graph and self.platform.kind == "rocm":
+            self.graph = False
+            self.graph_why = ("eager on ROCm: the captured wait on the host flag is a CUDA driver call "
+                              "(cuStreamWaitValue32); HIP's hipStreamWaitValue32 path is not built")
+            log.warning("prefill: %s", self.graph_why)
         self.dev = torch.device("cuda")
         self.tdtype = getattr(torch, dtype)
         self.dtype = dtype
         self.R = mapper.rows_per_token
         self.N = ubatch * self.R
         rb = table.row_bytes
-        name, mode, self.why = resolve_device(backend, self.cfg, table._typical_window())
+        name, mode, self.why = choose_device(table, backend, self.cfg)
         if name == "resident":
             mode = "resident"
         self.backend, self.mode = name, mode
@@ -110,15 +124,19 @@ class GpuPrefill:
         self.tokens_d = torch.zeros(ubatch, dtype=torch.int64, device=self.dev)
         self.inv_d = torch.zeros(self.N, dtype=torch.int32, device=self.dev)
         self.offs_d = torch.zeros(self.N, dtype=torch.int64, device=self.dev)
-        self.flags = HostFlags(2)
+        self.flags = HostFlags(2) if self.graph else None
         self.events = [None, None]
         self.readers, self.staging_views = [], []
-        win = (-(-rb // table.align) + 1) * table.align          # worst case: a row straddles two blocks
+        # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
+        bound = staging_bound_for(table, self.N)
+        self.capacity = [None, None]          # bytes of captured staging per slot (None: not captured)
         if mode == "gds":
             from .device import GdsReader
-            for _ in range(2):
+            for s in range(2):
                 r = GdsReader(table.path, table.data_offset, table.n_bytes, config=self.cfg, file_id=table.file_id)
-                self.staging_views.append(torch.as_tensor(r.dev.ensure(self.N * win), device=self.dev))
+                buf = r.dev.ensure(bound)
+                self.capacity[s] = int(buf.nbytes)
+                self.staging_views.append(torch.as_tensor(buf, device=self.dev))
                 self.readers.append(r)
         elif mode == "resident":        # the upper bound: the whole table in device memory, no I/O at all
             data = np.fromfile(table.path, np.uint8, table.n_bytes, offset=table.data_offset)
@@ -133,9 +151,10 @@ class GpuPrefill:
                     mode = self.mode = "copy"
                 self.readers.append(r)
             if mode == "zero-copy":
-                for r in self.readers:
+                for s, r in enumerate(self.readers):
                     pin_staging(r.staging, mapped=True)
-                    host = r.staging.ensure(self.N * (win if r.odirect else rb))   # fixed address from now on
+                    host = r.staging.ensure(bound if r.odirect else self.N * rb)   # fixed address from now on
+                    self.capacity[s] = int(host.nbytes)
                     self.staging_views.append(torch.as_tensor(device_view(host), device=self.dev))
             else:   # copy: the host compacts rows into pinned memory; the graph copies N x row_bytes up
                 self.rows_pin = [torch.zeros(self.N * rb, dtype=torch.uint8, **pin) for _ in range(2)]
@@ -144,7 +163,8 @@ class GpuPrefill:
         self.graphs: dict = {}
         self.g_events: dict = {}
         self.stats = Stats()
-        self.how = f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
+        self.how = (f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
+                    + f"; {self.graph_why}")
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):
@@ -208,6 +228,7 @@ class GpuPrefill:
         a = time.perf_counter()
         ids = self.mapper(tok)
         plan = t.plan(ids)
+        self._check_capacity(plan, s)
         b = time.perf_counter()
         n, N = tok.shape[0], plan.n_ids
         if self.mode == "resident":
@@ -236,9 +257,54 @@ class GpuPrefill:
         st.index_seconds += b - a
         st.io_seconds += c - b
 
+    def _check_capacity(self, plan, s: int) -> None:
+        """Refuse a plan the slot's captured staging cannot hold, before anything is read into it."""
+        if self.capacity[s] is not None:
+            check_fits(plan, self.capacity[s], self.mode == "gds" or self.readers[s].odirect,
+                       f"captured staging of slot {s}")
+
+    # -- the device half of gds_gather.schedule's contract ------------------------------------------------------
+    def slot_free(self, k: int, s: int) -> None:
+        if self.events[s] is not None:
+            self.events[s].synchronize()          # ubatch k-2 is done with slot s
+            self._collect_timing(k - 2, self._ub, s)
+
+    def launch(self, n: int, s: int) -> None:
+        if self.graph:
+            g, out = self._graph(n, s)
+            g.replay()                            # waits on the GPU for flag s
+        else:
+            torch = self.torch
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            out = self._step(n, s, wait=False, ev=ev)
+            self.g_events[("eager", s)] = ev
+        self._out = out
+
+    def release(self, s: int) -> None:
+        if self.flags is not None:
+            self.flags.set(s, 1)
+
+    def scrub(self, s: int) -> None:
+        """Zero the slot's pinned tokens and indices: a released step then reads row 0 at offset 0 (in bounds)."""
+        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]):
+            buf.numpy()[:] = 0
+
+    def done(self, k: int, s: int) -> None:
+        e = self.torch.cuda.Event()
+        e.record(self.stream)
+        self.events[s] = e
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+    def rearm(self) -> None:
+        if self.flags is not None:
+            self.flags.host[:] = 0
+        self.events = [None, None]
+
     def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
         torch = self.torch
-        ub = [tokens[k:k + self.ubatch] for k in range(0, tokens.size, self.ubatch)]
+        ub = self._ub = [tokens[k:k + self.ubatch] for k in range(0, tokens.size, self.ubatch)]
         if self.graph:                       # capture before the clock starts (one graph per size and slot)
             for n in sorted({u.size for u in ub}):
                 for s in (0, 1):
@@ -246,44 +312,25 @@ class GpuPrefill:
         for r in self.readers:
             r.bytes_read = 0
         outs = []
+
+        def after(k, tok):
+            if collect:
+                outs.append(tuple(x.clone() for x in self._out))
+            if progress:
+                progress(tok.size)
+        mode = "eager" if not self.graph else "staged" if self.mode == "gds" else "overlap"
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            for k, tok in enumerate(ub):
-                s = k % 2
-                if self.events[s] is not None:
-                    self.events[s].synchronize()          # ubatch k-2 is done with slot s
-                    self._collect_timing(k - 2, ub, s)
-                if self.graph and self.mode == "gds":  # cuFile reads complete before the replay
-                    self._stage(tok, s)
-                    self.flags.set(s, 1)
-                    g, out = self._graph(tok.size, s)
-                    g.replay()
-                elif self.graph:
-                    g, out = self._graph(tok.size, s)
-                    g.replay()                            # waits on the GPU for flag s
-                    self._stage(tok, s)                   # the reads overlap ubatch k-1's compute
-                    self.flags.set(s, 1)
-                else:
-                    self._stage(tok, s)
-                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    out = self._step(tok.size, s, wait=False, ev=ev)
-                    self.g_events[("eager", s)] = ev
-                e = torch.cuda.Event()
-                e.record(self.stream)
-                self.events[s] = e
-                if collect:
-                    outs.append(tuple(x.clone() for x in out))
-                if progress:
-                    progress(tok.size)
-            self.stream.synchronize()
+            run_ubatches(ub, self._stage, self, mode, after=after)
         wall = time.perf_counter() - t0
         for k in (len(ub) - 2, len(ub) - 1):
             if k >= 0:
                 self._collect_timing(k, ub, k % 2)
         self.stats.bytes_read += sum(r.bytes_read for r in self.readers)
         res = self.stats.as_dict(wall)
-        res.update(pipeline="gpu", graph=self.graph, backend=self.backend, destination=self.mode,
-                   backend_reason=self.why, how=self.how, ubatch=self.ubatch, ubatches=len(ub))
+        res.update(pipeline="gpu", graph=self.graph, graph_reason=self.graph_why, schedule=mode,
+                   backend=self.backend, destination=self.mode, backend_reason=self.why, how=self.how,
+                   ubatch=self.ubatch, ubatches=len(ub))
         if collect:
             res["outputs"] = [tuple(x.float().cpu() for x in o) for o in outs]
         return res
