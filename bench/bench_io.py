@@ -7,10 +7,12 @@
 This is the gather bench (gds_gather/benches/, `gds-gather bench gather`) with uniform random row ids instead of
 a text trace, the qwen4exp-geometry table alone, the warm runs on a tmpfs copy of the table, and the I/O issue's
 targets printed (direct >= 0.9x fio 4k randread at the same queue depth, >= 3x mmap, >= 1.3x pread cold; >= 0.7x
-fio psync with one job warm). Cold = after dropping the page cache (root) or evicting the file. Prints, per
-backend: ns per gather, rows/s, read amplification, major faults, page-cache growth, p50/p99 per gather call; then
-the ratios, against fio measured in this run. Any gather-bench option may follow (`--help`); the JSON goes to
-bench/out/bench_io.json. Importable: main(argv=None) -> dict.
+fio psync with one job warm). Cold = the table's file evicted from the page cache (--drop-caches: the whole
+machine's, root). Prints, per backend and pass (cold, same table again, new table on the tmpfs copy): ns per gather,
+rows/s, bytes requested and delivered (/proc/self/io; the block device's counter), read amplification, major
+faults, page-cache growth, p50/p99 per gather call; then the ratios, against fio measured in this run. Any
+gather-bench option may follow (`--help`); the JSON goes to --out, default ~/.cache/gds-gather/bench/bench_io.json.
+Importable: main(argv=None) -> dict.
 """
 from __future__ import annotations
 

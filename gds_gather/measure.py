@@ -11,12 +11,14 @@ import resource
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 
 def drop_caches() -> bool:
-    """Evict the page cache (needs root); False when not allowed. Mapped pages of live mappings stay."""
+    """Empty the WHOLE machine's page cache (echo 3 > /proc/sys/vm/drop_caches; root only); False when refused.
+    Only ever called when a user asks for it (--drop-caches). Mapped pages of live mappings stay."""
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -26,14 +28,16 @@ def drop_caches() -> bool:
         return False
 
 
-def evict_file(path) -> None:
-    """Drop one file's clean pages from the page cache (works without root)."""
+def evict_file(path) -> int:
+    """Drop one file's clean pages from the page cache (fsync, then POSIX_FADV_DONTNEED; works without root).
+    Returns the bytes of the file still cached afterwards (mincore): pages mapped by a live mapping stay."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return resident_bytes(path)
 
 
 @functools.cache
@@ -43,8 +47,9 @@ def _libc():
     return libc
 
 
-def resident_bytes(path) -> int:
-    """Bytes of `path` now in the page cache (mincore over a fresh read-only mapping)."""
+def resident_bytes(path, offset: int = 0, length: int | None = None) -> int:
+    """Bytes of `path` now in the page cache (mincore over a fresh read-only mapping); with offset/length, of the
+    pages overlapping that byte range only (e.g. a table's data, not the header a metadata mapping keeps)."""
     size = os.path.getsize(path)
     if size == 0:
         return 0
@@ -56,7 +61,71 @@ def resident_bytes(path) -> int:
     rc = _libc().mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p))
     del arr
     mm.close()
-    return int((vec & 1).sum()) * page if rc == 0 else -1
+    end = size if length is None else min(size, offset + length)
+    return int((vec[offset // page:(end + page - 1) // page] & 1).sum()) * page if rc == 0 else -1
+
+
+PROC_IO_METHOD = ("/proc/self/io read_bytes: storage reads this process caused (its threads, io_uring workers, "
+                  "readahead and page-fault reads)")
+
+
+def proc_read_bytes() -> int | None:
+    """read_bytes of /proc/self/io (every thread of this process, exited ones included), or None where the
+    kernel has no task I/O accounting."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def block_stat_path(path) -> Path | None:
+    """/sys/dev/block/MAJ:MIN/stat of the block device (or partition) holding `path`; None on tmpfs, overlay,
+    network filesystems or where sysfs is not readable."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if os.access(stat, os.R_OK) else None
+
+
+def device_read_bytes(stat: Path | None) -> int | None:
+    """Bytes the block device has delivered since boot: field 3 of its stat file (sectors read, in 512 B units).
+    System-wide: every process's reads of that device count."""
+    if stat is None:
+        return None
+    try:
+        return int(stat.read_text().split()[2]) * 512
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ReadCounter:
+    """Bytes the storage actually delivered between start() and stop(), by two named methods:
+    delivered_bytes from /proc/self/io (this process only) and device_bytes from the block device's counter
+    (system-wide, so other processes' reads of that device count too). None where a method is unavailable."""
+
+    def __init__(self, path):
+        self.stat = block_stat_path(path)
+        name = self.stat.parent.resolve().name if self.stat is not None else None
+        self.device_method = (f"{self.stat} ({name}) sectors read x 512: the whole device, every process"
+                              if self.stat is not None else None)
+        self.start()
+
+    def start(self) -> "ReadCounter":
+        self._p0, self._d0 = proc_read_bytes(), device_read_bytes(self.stat)
+        return self
+
+    def stop(self) -> dict:
+        p1, d1 = proc_read_bytes(), device_read_bytes(self.stat)
+        return {"delivered_bytes": None if p1 is None or self._p0 is None else p1 - self._p0,
+                "device_bytes": None if d1 is None or self._d0 is None else d1 - self._d0,
+                "delivered_method": PROC_IO_METHOD if p1 is not None else None,
+                "device_method": self.device_method}
 
 
 def major_faults() -> int:

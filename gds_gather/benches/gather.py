@@ -1,4 +1,12 @@
-"""bench gather: a real-text (or random) row-id trace through every backend, cold and warm, against fio."""
+"""bench gather: a real-text (or random) row-id trace through every backend in three passes, against fio.
+
+Per table and backend, interleaved and repeated: (a) cold: the table's file evicted from the page cache, a new
+Table; (b) again: the same open Table, a second pass over the same trace (a row cache pays off here; mmap's
+mapping is warm); (c) warm: a new Table on the same file whose trace pages are now in the page cache (or on a
+tmpfs copy with --warm tmpfs). Each pass reports rows/s, ns per gather, the bytes requested and the bytes the
+storage delivered (/proc/self/io, and the block device's counter), page-cache growth and the row cache's
+figures where the Table has them (Table.stats()).
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +20,17 @@ import numpy as np
 from .. import measure
 from ..config import Config
 from .plot import bars, figure, panel_series
-from .report import (GiB, HOST_BACKENDS, MiB, bench_facts, block_device, default_dir, go_cold, human_size,
-                     machine_title, median_run, print_header, ratio_line, short_num, write_result)
+from .report import (GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, block_device, cold_method,
+                     data_dir, go_cold, human_size, machine_title, median_run, out_dir, print_header, ratio_line,
+                     short_num, write_result)
+
+PASSES = ("cold", "again", "warm")
+PASS_TITLE = {"cold": "cold: the file evicted from the page cache, the row cache emptied, a new Table",
+              "again": "same table again: the same open Table (and row cache), a second pass over the trace",
+              "warm": "new table, warm page cache: a new Table (row cache emptied) on the file whose trace pages "
+                      "are in the page cache"}
+# the issue's targets: cold direct >= the best of the buffered/mapped baselines; again and warm direct >= 0.8 x mmap
+TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0.8), "warm": (("mmap",), 0.8)}
 
 def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", action="append", help="a GGUF with a PLE table (repeatable; default: build --tables)")
@@ -35,11 +52,15 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", help="comma list (default direct,pread,mmap,readahead,resident, and on a GPU the "
                                       "device destinations gpu:direct and gpu:gds)")
     p.add_argument("--warm", choices=("cache", "tmpfs", "none"), default="cache",
-                   help="warm: cache = the same file after an untimed pass (page cache warm; O_DIRECT still reads "
-                        "the drive); tmpfs = a copy of the table on --tmpfs; none")
+                   help="pass (c): cache = a new Table on the same file after an untimed buffered pass put the "
+                        "trace's pages in the page cache (default); tmpfs = a new Table on a copy of the table on "
+                        "--tmpfs; none = no pass (c)")
     p.add_argument("--tmpfs", default="/dev/shm", help="where --warm tmpfs copies the table")
-    p.add_argument("--no-cold", action="store_true")
-    p.add_argument("--no-warm", action="store_true", help="same as --warm none")
+    p.add_argument("--no-cold", action="store_true", help="no pass (a)")
+    p.add_argument("--no-again", action="store_true", help="no pass (b)")
+    p.add_argument("--no-warm", action="store_true", help="no pass (c) (same as --warm none)")
+    p.add_argument("--cache", help="row cache budget (e.g. 64M, 0 = off): Config(cache_bytes=...) where this build "
+                                   "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
     p.add_argument("--qd", type=int, default=128, help="queue depth of direct and of fio (default 128)")
     p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
@@ -104,11 +125,44 @@ def _how(t, b: str) -> str:
     return t._readers[b].how
 
 
+def table_stats(t) -> dict | None:
+    """The row cache's figures where the Table has them (Table.stats()), else None."""
+    f = getattr(t, "stats", None)
+    if not callable(f):
+        return None
+    try:
+        return dict(f())
+    except Exception as e:          # a figure the bench cannot read is a fact, not a crash
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _is_gauge(k: str) -> bool:
+    return "rate" in k or "budget" in k or k in ("cache_bytes", "cache_rows", "cache_entries")
+
+
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """One pass's row-cache figures: counters as the pass's increase, gauges (size, budget) as they are after."""
+    if after is None:
+        return None
+    out = {}
+    for k, v in after.items():
+        b = (before or {}).get(k)
+        num = isinstance(v, (int, float)) and not isinstance(v, bool)
+        out[k] = v - b if num and not _is_gauge(k) and isinstance(b, (int, float)) else v
+    hits, misses = out.get("cache_hits"), out.get("cache_misses")
+    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
+        out["cache_hit_rate"] = hits / (hits + misses)
+    return out
+
+
 def gather_pass(t, b: str, trace, stream=None) -> dict:
-    """One timed pass over the trace; a gather is one row id (ns/gather = wall / row ids, as llama.cpp #137)."""
+    """One timed pass over the trace; a gather is one row id (ns/gather = wall / row ids, as llama.cpp #137).
+    Beside the bytes the readers requested: the bytes the storage delivered (measure.ReadCounter)."""
     path = t.path
+    st0 = table_stats(t)
     b0, res0, flt0 = _bytes_read(t), measure.resident_bytes(path), measure.major_faults()
     lat, useful, n_ids, uniq, wins = [], 0, 0, 0, 0
+    io = measure.ReadCounter(path)
     t0 = time.perf_counter()
     for ids in trace:
         a = time.perf_counter()
@@ -120,19 +174,56 @@ def gather_pass(t, b: str, trace, stream=None) -> dict:
         uniq += plan.n_unique
         wins += plan.n_windows
     wall = time.perf_counter() - t0
+    got = io.stop()
     read = _bytes_read(t) - b0
-    return {"backend": b, "rows_per_s": n_ids / wall, "ns_per_gather": wall * 1e9 / n_ids, "seconds": wall,
-            "ids": n_ids, "unique": uniq, "unique_rows_per_s": uniq / wall, "windows": wins,
-            "bytes_read": read, "read_MiB_s": read / wall / MiB, "amplification": read / useful if useful else 0.0,
-            "major_faults": measure.major_faults() - flt0,
-            "page_cache_growth_MiB": (measure.resident_bytes(path) - res0) / MiB,
-            "p50_ms": measure.percentile_ms(lat, 50), "p99_ms": measure.percentile_ms(lat, 99)}
+    r = {"backend": b, "rows_per_s": n_ids / wall, "ns_per_gather": wall * 1e9 / n_ids, "seconds": wall,
+         "ids": n_ids, "unique": uniq, "unique_rows_per_s": uniq / wall, "windows": wins, "useful_bytes": useful,
+         "bytes_requested": read, "read_MiB_s": read / wall / MiB,
+         "major_faults": measure.major_faults() - flt0,
+         "page_cache_growth_MiB": (measure.resident_bytes(path) - res0) / MiB,
+         "p50_ms": measure.percentile_ms(lat, 50), "p99_ms": measure.percentile_ms(lat, 99)}
+    r.update(amplification_fields(got, read, useful))
+    r["row_cache"] = stats_delta(st0, table_stats(t))
+    return r
 
 
-def _gather_line(r: dict) -> str:
-    return (f"  {r['backend']:<11} {r['cache']:<4} {r['ns_per_gather']:>9,.0f} ns/gather {r['rows_per_s']:>12,.0f} rows/s"
-            f"  ampl {r['amplification']:6.1f}x  majflt {r['major_faults']:>7,}  cache +{r['page_cache_growth_MiB']:7.1f} MiB"
-            f"  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms   [{r['how']}]")
+def amplification_fields(got: dict, requested: int, useful: int) -> dict:
+    """Bytes requested / delivered / device beside useful, and read amplification = delivered / useful."""
+    ratio = (lambda x: x / useful if useful and x is not None else None)   # noqa: E731
+    return {"bytes_delivered": got["delivered_bytes"], "bytes_device": got["device_bytes"],
+            "ampl_requested": ratio(requested), "ampl_delivered": ratio(got["delivered_bytes"]),
+            "ampl_device": ratio(got["device_bytes"]), "delivered_method": got["delivered_method"],
+            "device_method": got["device_method"]}
+
+
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x / MiB:,.1f}"
+
+
+def _x(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}x"
+
+
+def gather_line(r: dict) -> str:
+    return (f"  {r['backend']:<11} {r['cache']:<5} {r['ns_per_gather']:>9,.0f} ns/gather {r['rows_per_s']:>12,.0f} "
+            f"rows/s  MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
+            f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])} (requested {_x(r['ampl_requested'])})"
+            f"  majflt {r['major_faults']:>7,.0f}  page cache +{r['page_cache_growth_MiB']:.1f} MiB"
+            f"  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms   [{r['how']}]")
+
+
+def cache_line(rc: dict | None) -> str | None:
+    """The row cache's figures of one pass, where the Table exposes them and the pass consulted the cache."""
+    if not rc or not (rc.get("cache_hits") or rc.get("cache_misses") or rc.get("rows_from_cache")
+                      or rc.get("rows_from_page_cache")):
+        return None
+    def fmt(k, v):
+        if isinstance(v, float) and "rate" in k:
+            return f"{k} {v:.1%}"
+        if isinstance(v, (int, float)) and "bytes" in k:
+            return f"{k} {v / MiB:,.1f} MiB"
+        return f"{k} {v:,.0f}" if isinstance(v, (int, float)) else f"{k} {v}"
+    return "               row cache: " + ", ".join(fmt(k, v) for k, v in rc.items())
 
 
 def _gpu_stream(backends):
@@ -140,6 +231,60 @@ def _gpu_stream(backends):
         return None
     import cupy
     return cupy.cuda.Stream(non_blocking=True)
+
+
+def empty_row_cache() -> bool:
+    """Empty this process's row caches (they outlive Tables) where this build has one; True when it did."""
+    try:
+        from .. import rowcache
+    except ImportError:
+        return False
+    drop = getattr(rowcache, "drop_all", None)
+    if drop is None:
+        return False
+    drop()
+    return True
+
+
+def _warm_page_cache(path, cfg, trace) -> None:
+    """Put the trace's pages in the page cache: one untimed buffered pass (pread, a POSIX_FADV_RANDOM fd)."""
+    import gds_gather as gg
+    with gg.open_table(path, config=cfg) as t:
+        for ids in trace:
+            t.read_plan(t.plan(ids), "pread")
+
+
+def _passes(a) -> list[str]:
+    skip = {"cold": a.no_cold, "again": a.no_again, "warm": a.no_warm or a.warm == "none"}
+    return [p for p in PASSES if not skip[p]]
+
+
+def backend_passes(path: Path, warm_path: Path | None, b: str, a, cfg, trace, stream, passes) -> dict:
+    """Passes (a), (b), (c) of one backend, in that order; returns {pass: run}."""
+    out = {}
+    emptied = empty_row_cache()
+    t = _open_for(path, cfg, b, stream)
+    try:
+        if b == "resident" or "cold" not in passes:      # resident: its first use loads the whole table
+            gather_pass(t, b, trace, stream)             # untimed first pass
+        else:
+            how = go_cold(t.path, a.drop_caches, (t.data_offset, t.n_bytes))   # after the reader was opened
+            left = measure.resident_bytes(t.path, t.data_offset, t.n_bytes)
+            out["cold"] = gather_pass(t, b, trace, stream)
+            out["cold"].update(cold_how=how, cold_left_MiB=left / MiB, row_cache_emptied=emptied)
+        if "again" in passes:
+            out["again"] = gather_pass(t, b, trace, stream)
+    finally:
+        t.close()
+    if "warm" in passes and warm_path is not None:
+        if a.warm == "cache":
+            _warm_page_cache(warm_path, cfg, trace)
+        empty_row_cache()
+        with _open_for(warm_path, cfg, b, stream) as t2:
+            before = measure.resident_bytes(t2.path)
+            out["warm"] = gather_pass(t2, b, trace, stream)
+            out["warm"]["page_cache_before_MiB"] = before / MiB
+    return out
 
 
 def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], facts_line) -> dict:
@@ -150,125 +295,142 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         geo = dict(n_rows=t.n_rows, row_bytes=t.row_bytes, qtype=t.qtype.name, align=t.align, arch=t.arch,
                    table_bytes=t.n_bytes, window=t._typical_window())
     n_ids = sum(x.size for x in trace)
+    passes = _passes(a)
     print(f"\n## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
           f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)")
-    print(f"   trace: {desc}; {a.repeat} timed passes each, median shown; {facts_line(path)}", flush=True)
-    out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "runs": [], "fio": {}}
+    print(f"   trace: {desc}; per backend, interleaved, {a.repeat} round(s) of the passes "
+          f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", flush=True)
+    out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "passes": passes, "runs": [],
+           "fio": {}, "fio_warm": None}
     stream = _gpu_stream(backends)
-    cold_b = [b for b in backends if b != "resident"]
+    warm_path, copied = path, False
+    if "warm" in passes and a.warm == "tmpfs":
+        free = shutil.disk_usage(a.tmpfs).free
+        if free < 2 * os.path.getsize(path):
+            print(f"warm: skipped, {a.tmpfs} has {free / GiB:.1f} GiB free")
+            warm_path = None
+        else:
+            warm_path = Path(a.tmpfs) / f"gds-gather-bench-{os.getpid()}.gguf"
+            shutil.copyfile(path, warm_path)
+            copied = True
+    runs: dict = {}
+    hows: dict = {}
+    try:
+        for rep in range(a.repeat):
+            for b in backends:
+                for p, r in backend_passes(path, warm_path, b, a, cfg, trace, stream, passes).items():
+                    runs.setdefault((b, p), []).append(r)
+                hows[b] = _how_after(path, cfg, b, stream)
+            print(f"    round {rep + 1}/{a.repeat} done", flush=True)
+    finally:
+        if copied:
+            warm_path.unlink(missing_ok=True)
     med: dict = {}
-    if not a.no_cold:
-        how = go_cold(data, a.cold_method)
-        print(f"cold ({how} before each pass; passes interleaved {'/'.join(cold_b)}; resident runs warm only: "
-              f"its cold pass is a load of the whole table)", flush=True)
-        runs: dict = {b: [] for b in cold_b}
-        hows = {}
-        for _ in range(a.repeat):
-            for b in cold_b:
-                with _open_for(path, cfg, b, stream) as t:
-                    go_cold(data, a.cold_method)
-                    runs[b].append(gather_pass(t, b, trace, stream))
-                    hows[b] = _how(t, b)
-        for b in cold_b:
-            r = median_run(runs[b], "rows_per_s")
-            r.update(cache="cold", how=hows[b])
-            med[(b, "cold")] = r
+    for p in passes:
+        if not any((b, p) in runs for b in backends):
+            continue
+        print(PASS_TITLE[p] + (f" (a copy on {a.tmpfs})" if p == "warm" and a.warm == "tmpfs" else ""), flush=True)
+        if p == "cold":
+            how = next((r.get("cold_how") for b in backends for r in runs.get((b, p), [])), "")
+            print(f"  went cold by: {how}")
+            if "resident" in backends:
+                print("  resident: no cold pass (its first use loads the whole table)")
+        for b in backends:
+            if (b, p) not in runs:
+                continue
+            r = median_run(runs[(b, p)], "rows_per_s")
+            r["ns_per_gather"] = 1e9 / r["rows_per_s"]        # consistent with the median rows/s
+            r.update(cache=p, how=hows[b])
+            med[(b, p)] = r
             out["runs"].append(r)
-            print(_gather_line(r), flush=True)
-        if not a.no_fio:
-            for bs in sorted({4096, geo["window"]}):
-                name = "4k" if bs == 4096 else f"{bs}"
-                f = measure.fio_randread(data, bs=name, direct=True, iodepth=a.qd, runtime=a.fio_runtime)
-                out["fio"][f"cold_{bs}"] = f
-                if f and "iops" in f:
-                    print(f"  fio randread {_bs_name(bs)} O_DIRECT io_uring "
-                          f"QD {a.qd}: {f['iops']:,.0f} IOPS, {f['bw_MiBps']:,.0f} MiB/s   [{f['cmd']}]")
-                else:
-                    print(f"  fio {name}: {'not installed' if f is None else f.get('error')}")
-        d = med.get(("direct", "cold"))
-        print("ratios (cold):")
+            print(gather_line(r), flush=True)
+            line = cache_line(r.get("row_cache"))
+            if line:
+                print(line)
+            if p == "cold" and (r.get("row_cache") or {}).get("rows_from_cache") and not r.get("row_cache_emptied"):
+                print(f"               NOTE: the cold pass served {r['row_cache']['rows_from_cache']:,.0f} rows from "
+                      "a row cache this bench could not empty first: not fully cold")
+    if "cold" in passes and not a.no_fio:
         for bs in sorted({4096, geo["window"]}):
-            f = out["fio"].get(f"cold_{bs}") or {}
-            if d and f.get("iops"):
-                tgt = 0.9 if a.targets and bs == 4096 else None
-                # direct submits one read per window: its reads/s is what compares with fio's IOPS
-                reads = d["windows"] / d["seconds"]
-                print(ratio_line(f"direct rows/s / fio {_bs_name(bs)} IOPS", d["rows_per_s"], f["iops"], tgt)
-                      + f";  direct's reads/s {reads:,.0f} = {reads / f['iops']:.2f}x, its MiB/s "
-                        f"{d['read_MiB_s']:,.0f} = {d['read_MiB_s'] / f['bw_MiBps']:.2f}x fio's")
-        for other, tgt in (("mmap", 3.0), ("pread", 1.3), ("readahead", None)):
-            if (other, "cold") in med and d:
-                print(ratio_line(f"direct / {other}", d["rows_per_s"], med[(other, "cold")]["rows_per_s"],
-                             tgt if a.targets else None))
-        for dev in ("gpu:direct", "gpu:gds"):
-            if (dev, "cold") in med and d:
-                print(ratio_line(f"{dev} / direct (host)", med[(dev, "cold")]["rows_per_s"], d["rows_per_s"]))
-    warm = "none" if a.no_warm else a.warm
-    if warm != "none":
-        warm_path, copied = path, False
-        if warm == "tmpfs":
-            free = shutil.disk_usage(a.tmpfs).free
-            if free < 2 * os.path.getsize(path):
-                print(f"warm: skipped, {a.tmpfs} has {free / GiB:.1f} GiB free")
-                warm_path = None
+            name = "4k" if bs == 4096 else f"{bs}"
+            go_cold(data, a.drop_caches)
+            f = measure.fio_randread(data, bs=name, direct=True, iodepth=a.qd, runtime=a.fio_runtime)
+            out["fio"][f"cold_{bs}"] = f
+            if f and "iops" in f:
+                print(f"  fio randread {_bs_name(bs)} O_DIRECT io_uring "
+                      f"QD {a.qd}: {f['iops']:,.0f} IOPS, {f['bw_MiBps']:,.0f} MiB/s   [{f['cmd']}]")
             else:
-                warm_path = Path(a.tmpfs) / f"gds-gather-bench-{os.getpid()}.gguf"
-                shutil.copyfile(path, warm_path)
-                copied = True
-        if warm_path is not None:
-            try:
-                out.update(_gather_warm(warm_path, warm, a, cfg, backends, trace, stream, med))
-            finally:
-                if copied:
-                    warm_path.unlink(missing_ok=True)
+                print(f"  fio {name}: {'not installed' if f is None else f.get('error')}")
+    if "warm" in passes and a.warm == "tmpfs" and not a.no_fio and warm_path is not None:
+        out["fio_warm"] = _fio_tmpfs(path, a, _direct_threads(path, cfg))
+    _ratios(out, med, geo, a)
     return out
 
 
-def _gather_warm(path: Path, warm: str, a, cfg, backends, trace, stream, med) -> dict:
-    from ..storage import filesystem
-    where = ("the same file after one untimed pass per backend (O_DIRECT reads still go to the drive)"
-             if warm == "cache" else f"a copy on {a.tmpfs} ({filesystem(path)})")
-    print(f"warm ({where}; passes interleaved)", flush=True)
-    extra = {"runs_warm": [], "fio_warm": None}
-    tables = {}
-    direct_threads = 1        # io_uring: one submitting thread; the native pool (memory filesystems): its threads
+def _how_after(path, cfg, b, stream) -> str:
+    with _open_for(path, cfg, b, stream) as t:
+        return _how(t, b)
+
+
+def _direct_threads(path, cfg) -> int:
+    """direct's submitting threads on a memory filesystem (the native pread pool), else 1 (io_uring)."""
+    import gds_gather as gg
+    with gg.open_table(path, config=cfg) as t:
+        r = t._reader("direct")
+        return r.threads if getattr(r, "ring", None) is None else 1
+
+
+def _fio_tmpfs(path, a, jobs) -> dict | None:
+    warm_path = Path(a.tmpfs) / f"gds-gather-bench-fio-{os.getpid()}.gguf"
+    shutil.copyfile(path, warm_path)
     try:
-        for b in backends:
-            tables[b] = _open_for(path, cfg, b, stream)
-            gather_pass(tables[b], b, trace, stream)              # warm-up
-            r = getattr(tables[b], "_readers", {}).get("direct") if b == "direct" else None
-            if r is not None and getattr(r, "ring", None) is None:
-                direct_threads = r.threads
-        runs: dict = {b: [] for b in backends}
-        for _ in range(a.repeat):
-            for b in backends:
-                runs[b].append(gather_pass(tables[b], b, trace, stream))
-        for b in backends:
-            r = median_run(runs[b], "rows_per_s")
-            r.update(cache="warm", how=_how(tables[b], b))
-            med[(b, "warm")] = r
-            extra["runs_warm"].append(r)
-            print(_gather_line(r), flush=True)
-    finally:
-        for t in tables.values():
-            t.close()
-    d = med.get(("direct", "warm"))
-    jobs = direct_threads
-    if warm == "tmpfs" and not a.no_fio:
-        f = measure.fio_randread(path, bs="4k", direct=False, engine="psync", iodepth=1, numjobs=jobs,
+        f = measure.fio_randread(warm_path, bs="4k", direct=False, engine="psync", iodepth=1, numjobs=jobs,
                                  runtime=a.fio_runtime)
-        extra["fio_warm"] = f
-        if f and "iops" in f:
-            print(f"  fio psync 4k, {jobs} job(s) (direct's thread count here): {f['iops']:,.0f} IOPS   "
-                  f"[{f['cmd']}]")
-    print("ratios (warm):")
-    if extra["fio_warm"] and extra["fio_warm"].get("iops") and d:
-        print(ratio_line(f"direct / fio psync 4k {jobs} job(s)", d["rows_per_s"], extra["fio_warm"]["iops"],
-                     0.7 if a.targets else None))
-    for other in ("mmap", "pread", "resident"):
-        if (other, "warm") in med and d:
-            print(ratio_line(f"direct / {other}", d["rows_per_s"], med[(other, "warm")]["rows_per_s"]))
-    return extra
+    finally:
+        warm_path.unlink(missing_ok=True)
+    if f and "iops" in f:
+        print(f"  fio psync 4k on {a.tmpfs}, {jobs} job(s) (direct's thread count there): {f['iops']:,.0f} IOPS   "
+              f"[{f['cmd']}]")
+        f["jobs"] = jobs
+    return f
+
+
+def _ratios(out: dict, med: dict, geo: dict, a) -> None:
+    """The row-cache issue's ratios (always, with targets), the I/O issue's (targets with --targets), fio's."""
+    out["ratios"] = {}
+    print("ratios (median rows/s):")
+    for p, (others, tgt) in TARGETS.items():
+        d = med.get(("direct", p))
+        have = [(o, med[(o, p)]["rows_per_s"]) for o in others if (o, p) in med]
+        if not d or not have:
+            continue
+        best, v = max(have, key=lambda x: x[1])
+        name = f"{p}: direct / " + (f"best of {'/'.join(o for o, _ in have)} ({best})" if len(have) > 1 else best)
+        print(ratio_line(name, d["rows_per_s"], v, tgt))
+        out["ratios"][p] = {"vs": best, "ratio": d["rows_per_s"] / v, "target": tgt}
+    d = med.get(("direct", "cold"))
+    for bs in sorted({4096, geo["window"]}):
+        f = out["fio"].get(f"cold_{bs}") or {}
+        if d and f.get("iops"):
+            tgt = 0.9 if a.targets and bs == 4096 else None
+            reads = d["windows"] / d["seconds"]           # direct submits one read per window
+            print(ratio_line(f"cold: direct rows/s / fio {_bs_name(bs)} IOPS", d["rows_per_s"], f["iops"], tgt)
+                  + f";  direct's reads/s {reads:,.0f} = {reads / f['iops']:.2f}x, its MiB/s requested "
+                    f"{d['read_MiB_s']:,.0f} = {d['read_MiB_s'] / f['bw_MiBps']:.2f}x fio's")
+    if d and a.targets:
+        for other, tgt in (("mmap", 3.0), ("pread", 1.3)):
+            if (other, "cold") in med:
+                print(ratio_line(f"cold: direct / {other} (I/O issue)", d["rows_per_s"],
+                                 med[(other, "cold")]["rows_per_s"], tgt))
+    for dev in ("gpu:direct", "gpu:gds"):
+        if (dev, "cold") in med and d:
+            print(ratio_line(f"cold: {dev} / direct (host)", med[(dev, "cold")]["rows_per_s"], d["rows_per_s"]))
+    w, f = med.get(("direct", "warm")), out.get("fio_warm") or {}
+    if w and f.get("iops"):
+        print(ratio_line(f"warm: direct / fio psync 4k {f['jobs']} job(s)", w["rows_per_s"], f["iops"],
+                         0.7 if a.targets else None))
+    if ("resident", "warm") in med and w:
+        print(ratio_line("warm: direct / resident", w["rows_per_s"], med[("resident", "warm")]["rows_per_s"]))
 
 
 def default_backends(cfg: Config) -> list[str]:
@@ -297,8 +459,8 @@ def run_gather(a, cfg: Config) -> dict:
     a.fio_runtime = a.fio_runtime or (1 if q else 5)
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
-    cfg = cfg.with_(queue_depth=a.qd)
-    data_dir = Path(a.dir or a.out or default_dir(cfg))
+    cfg, cache_note = apply_cache_option(cfg.with_(queue_depth=a.qd), a.cache)
+    made = data_dir(a, cfg)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else default_backends(cfg)
     for b in backends:
         if b not in HOST_BACKENDS and b not in ("gpu:direct", "gpu:pread", "gpu:mmap", "gpu:readahead", "gpu:gds"):
@@ -309,43 +471,45 @@ def run_gather(a, cfg: Config) -> dict:
     else:
         for name in [x.strip() for x in a.tables.split(",") if x.strip()]:
             if name == "qwen4exp":
-                tables.append(("qwen4exp geometry", _built_table(data_dir, "qwen4exp", a.rows)))
+                tables.append(("qwen4exp geometry", _built_table(made, "qwen4exp", a.rows)))
             elif name == "gemma4-e4b":
-                tables.append(("gemma4-e4b geometry", _built_table(data_dir, "gemma4-e4b", a.gemma_rows)))
+                tables.append(("gemma4-e4b geometry", _built_table(made, "gemma4-e4b", a.gemma_rows)))
             else:
                 raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
     facts = bench_facts(tables[0][1], cfg)
-    print_header("gather", facts)
-    print(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = wall / row ids); "
-          f"ampl = bytes read / bytes of the unique rows; majflt = major page faults of this process; cache = growth "
-          f"of the file's page-cache residency; p50/p99 per gather call", flush=True)
+    print_header("gather", facts, [cold_method(a), cache_note])
+    print(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median rows/s); "
+          f"MiB requested = what the readers asked for, delivered = {facts['delivered_method'] or 'n/a'}, device = "
+          f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
+          f"page faults of this process; page cache = growth of the file's page-cache residency; p50/p99 per "
+          f"gather call", flush=True)
 
     def facts_line(p):
         from ..storage import filesystem
         return f"{filesystem(p)} on {block_device(p)}"
 
     result = {"bench": "gather", "facts": facts, "backends": backends, "trace": a.trace, "qd": a.qd,
-              "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm, "tables": []}
+              "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm, "passes": _passes(a),
+              "drop_caches": bool(a.drop_caches), "row_cache": cache_note, "tables": []}
     for label, path in tables:
-        t = _gather_table(path, label, a, cfg, backends, facts_line)
-        t["runs"] += t.pop("runs_warm", [])
-        result["tables"].append(t)
-    return write_result("gather", result, a, Path(a.out or data_dir), _plot_gather)
-
+        result["tables"].append(_gather_table(path, label, a, cfg, backends, facts_line))
+    return write_result("gather", result, a, out_dir(a, cfg), _plot_gather)
 
 
 def _plot_gather(res: dict, out) -> None:
+    """One panel per table; groups = the passes, one bar per backend (median rows/s, whiskers min-max)."""
     tabs = res["tables"]
     if not tabs:
         raise ValueError("nothing was measured: no plot")
-    fig, axes = figure(len(tabs), 6.6, 4.8)
+    fig, axes = figure(len(tabs), 7.2, 4.8)
     for ax, t in zip(axes, tabs):
-        backends, caches, pick = panel_series(res["backends"], t["runs"])
-        vals = {c: [pick(b, c, "rows_per_s") for b in backends] for c in caches}
-        every = {c: [pick(b, c, "rows_per_s_all") or [0.0] for b in backends] for c in caches}
-        bars(ax, backends, caches, vals, lo={c: [min(x) for x in every[c]] for c in caches},
-              hi={c: [max(x) for x in every[c]] for c in caches}, log=True,
-              ylabel="rows gathered per second (median)")
+        backends, passes, pick = panel_series(res["backends"], t["runs"], PASSES)
+        vals = {b: [pick(b, p, "rows_per_s") for p in passes] for b in backends}
+        every = {b: [pick(b, p, "rows_per_s_all") or [0.0] for p in passes] for b in backends}
+        names = {"cold": "cold\n(new table)", "again": "same table\nagain", "warm": "new table,\nwarm page cache"}
+        bars(ax, [names[p] for p in passes], backends, vals, lo={b: [min(x) for x in every[b]] for b in backends},
+             hi={b: [max(x) for x in every[b]] for b in backends}, log=True,
+             ylabel="rows gathered per second (median)")
         f = (t.get("fio") or {}).get("cold_4096") or {}
         if f.get("iops"):
             ax.axhline(f["iops"], color="k", ls="--", lw=1,
@@ -354,10 +518,8 @@ def _plot_gather(res: dict, out) -> None:
                      f"({t['table_bytes'] / 1e9:.2f} GB)\n{short_num(t['ids'])} row ids per pass "
                      f"({'text trace' if res['trace'] == 'text' else 'random ids'}); whiskers: min-max",
                      fontsize=9)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
     warm = {"cache": "page cache warm", "tmpfs": "a tmpfs copy", "none": "not run"}[res["warm_mode"]]
-    fig.suptitle(f"gds-gather bench gather, cold (page cache dropped) and warm ({warm})\n"
+    fig.suptitle(f"gds-gather bench gather: cold (file evicted), same table again, new table ({warm})\n"
                  f"{machine_title(res['facts'])}", fontsize=10)
     fig.savefig(out)
-
-

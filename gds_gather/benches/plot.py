@@ -56,13 +56,12 @@ def bars(ax, groups, series, values, *, lo=None, hi=None, log=False, ylabel="", 
     ax.grid(axis="y", alpha=0.3)
 
 
-def panel_series(all_backends, runs):
-    """(backends, caches, pick) of one panel: the measured backends in bench order, the caches present, and
-    pick(backend, cache, key) -> that run's value or None."""
+def panel_series(all_backends, runs, groups=("cold", "warm")):
+    """(backends, groups, pick) of one panel: the measured backends in bench order, the groups (r["cache"]: a
+    pass or cold/warm) present, and pick(backend, group, key) -> that run's value or None."""
     backends = [b for b in all_backends if any(r["backend"] == b for r in runs)]
-    caches = [c for c in ("cold", "warm") if any(r["cache"] == c for r in runs)]
+    present = [c for c in groups if any(r["cache"] == c for r in runs)]
 
     def pick(b, c, k):
         return next((r[k] for r in runs if r["backend"] == b and r["cache"] == c), None)
-    return backends, caches, pick
-
+    return backends, present, pick

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 from ..config import Config
-from .gather import default_backends
+from .gather import cache_line, default_backends
 from .plot import bars, figure, panel_series
-from .report import (HOST_BACKENDS, MiB, bench_facts, default_dir, go_cold, machine_title, median_run, print_header,
-                     ratio_line, write_result)
+from .report import (HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold, machine_title,
+                     median, median_run, out_dir, print_header, ratio_line, write_result)
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help="GGUF model (repeatable; default: the built-in qwen4exp model)")
@@ -24,6 +23,8 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
                    help="synthetic trunk (default: none on the CPU, i.e. the PLE fetch + dequant alone; real on a GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--no-graph", action="store_true", help="GPU: run the steps eagerly (no CUDA graph)")
+    p.add_argument("--cache", help="row cache budget (e.g. 16M, 0 = off): Config(cache_bytes=...) where this build "
+                                   "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
     p.add_argument("--targets", action="store_true",
                    help="the prefill issue's ratios: adds direct:nograph (GPU), fio's IOPS on the same file, and "
                         "direct cold vs min(resident, storage-bound tok/s) and vs mmap")
@@ -49,20 +50,23 @@ def run_prefill_bench(a, cfg: Config) -> dict:
     if a.targets:
         backends = list(dict.fromkeys(["direct", "mmap", "resident"] + backends
                                       + (["direct:nograph"] if gpu and not a.no_graph else [])))
+    cfg, cache_note = apply_cache_option(cfg, a.cache)
     models = [Path(m) for m in a.model] if a.model else [default_model(cfg, progress=True)]
     with gg.open_table(models[0], config=cfg) as t:
         facts = bench_facts(t.path, cfg)
-    print_header("prefill", facts)
+    print_header("prefill", facts, [cold_method(a), cache_note])
     pipeline = ("GPU pipeline (graph-captured fetch-dequant + trunk)" if gpu and not a.no_graph else
                 "GPU pipeline, eager" if gpu else "CPU pipeline (no GPU here)")
     trunk_note = {"none": "none: the PLE fetch + dequant alone (the CPU default; --trunk tiny|real adds a synthetic "
                           "torch trunk)",
                   "tiny": "tiny synthetic torch trunk", "real": "synthetic trunk with the real shapes"}[trunk]
     print(f"# {pipeline}; trunk {trunk_note}; {a.tokens:,} tokens in ubatches of {a.ubatch:,}; backends interleaved "
-          f"{'/'.join(backends)}; one warm-up run each, then {a.repeat} runs per backend cold (page cache emptied "
-          f"before each run) and warm; tok/s min/median/max", flush=True)
+          f"{'/'.join(backends)}; one warm-up run each, then {a.repeat} runs per backend cold (the table's file "
+          f"evicted before each run) and warm; tok/s min/median/max; MiB delivered = "
+          f"{facts['delivered_method'] or 'n/a'}; ampl = delivered / useful", flush=True)
     if "resident" in backends:
-        print("# resident: each run opens the table afresh, so its time includes loading the whole table", flush=True)
+        print("# resident: the table is loaded into memory before the clock starts (untimed); the runs time the "
+              "prefill alone", flush=True)
     result = {"bench": "prefill", "facts": facts, "backends": backends, "trunk": trunk, "pipeline": pipeline,
               "tokens": a.tokens, "ubatch": a.ubatch, "repeat": a.repeat, "models": []}
     kw = dict(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, cold=False, trunk=trunk,
@@ -71,6 +75,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         with gg.open_table(model, config=cfg) as t:
             table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
                                         f"{t.row_bytes:,} B")
+            table_bytes = t.n_bytes
         print(f"\n## {model} ({desc})", flush=True)
         def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
             name, _, mod = b.partition(":")
@@ -84,26 +89,43 @@ def run_prefill_bench(a, cfg: Config) -> dict:
             for rep in range(a.repeat):
                 for b in backends:
                     if cache == "cold":
-                        go_cold(table_path, a.cold_method)
+                        go_cold(table_path, a.drop_caches)
                     runs[b].append(one(b))
                 print(f"    {cache} run {rep + 1}/{a.repeat}: "
                       + "  ".join(f"{b} {runs[b][-1]['tok_per_s']:,.0f}" for b in backends) + " tok/s", flush=True)
             for b in backends:
                 tok = [r["tok_per_s"] for r in runs[b]]
                 mid = median_run(runs[b], "tok_per_s")
-                s = {"backend": b, "cache": cache, "tok_per_s_min": min(tok), "tok_per_s_median": statistics.median(tok),
+                s = {"backend": b, "cache": cache, "tok_per_s_min": min(tok), "tok_per_s_median": median(tok),
                      "tok_per_s_max": max(tok), "tok_per_s_all": tok, "rows_per_s": mid["rows_per_s"],
+                     "useful_bytes": mid["useful_bytes"], "bytes_requested": mid["bytes_read"],
+                     "bytes_delivered": mid.get("bytes_delivered"), "bytes_device": mid.get("bytes_device"),
+                     "ampl_delivered": mid.get("ampl_delivered"), "ampl_requested": mid.get("ampl_requested"),
                      "read_amplification": mid["read_amplification"],
                      "page_cache_growth_MiB": mid["page_cache_growth_bytes"] / MiB, "ple_rows": mid["ple_rows"],
                      "unique_rows": mid["unique_rows"], "io_seconds": mid["io_seconds"], "how": mid["how"],
-                     "pipeline": mid["pipeline"]}
+                     "pipeline": mid["pipeline"], "row_cache": row_cache_fields(mid)}
                 m["runs"].append(s)
-                print(f"  {b:<10} {cache:<4} tok/s  min {s['tok_per_s_min']:>10,.0f}  median {s['tok_per_s_median']:>10,.0f}"
-                      f"  max {s['tok_per_s_max']:>10,.0f}   PLE rows/s {s['rows_per_s']:>11,.0f}  "
-                      f"ampl {s['read_amplification']:5.1f}x  cache +{s['page_cache_growth_MiB']:6.1f} MiB   "
-                      f"[{s['how']}]", flush=True)
+                print(f"  {b:<10} {cache:<4} tok/s  min {s['tok_per_s_min']:>10,.0f}  "
+                      f"median {s['tok_per_s_median']:>10,.0f}"
+                      f"  max {s['tok_per_s_max']:>10,.0f}   PLE rows/s {s['rows_per_s']:>11,.0f}  MiB requested "
+                      f"{_mib(s['bytes_requested'])} delivered {_mib(s['bytes_delivered'])} device "
+                      f"{_mib(s['bytes_device'])}  ampl {_x(s['ampl_delivered'])} (requested {_x(s['ampl_requested'])})"
+                      f"  page cache +{s['page_cache_growth_MiB']:.1f} MiB   [{s['how']}]", flush=True)
+                line = cache_line(s["row_cache"])
+                if line:
+                    print(line)
         get = {(r["backend"], r["cache"]): r["tok_per_s_median"] for r in m["runs"]}
         print("ratios (median tok/s):")
+        resident = get.get(("resident", "warm")) or get.get(("resident", "cold"))
+        if ("direct", "cold") in get and resident:       # the row-cache issue's target
+            rc = next((r["row_cache"] for r in m["runs"] if r["backend"] == "direct" and r["cache"] == "cold"
+                       and r["row_cache"]), None) or {}
+            budget = rc.get("cache_budget_bytes")
+            print(ratio_line("direct cold (with the row cache) / resident (in memory before the clock)",
+                             get[("direct", "cold")], resident, 0.9) + "  [row cache budget "
+                  + (f"{budget / MiB:,.1f} MiB" if isinstance(budget, (int, float)) else cache_note.split(": ", 1)[1])
+                  + f" for a {table_bytes / MiB:,.1f} MiB table]")
         for cache in series:
             for other in ("mmap", "pread", "resident"):
                 if ("direct", cache) in get and (other, cache) in get and other != "direct":
@@ -111,8 +133,26 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         if a.targets and ("direct", "cold") in get:
             m["targets"] = _prefill_targets(table_path, get, m["runs"], a)
         result["models"].append(m)
-    data_dir = Path(a.dir or a.out or default_dir(cfg))
-    return write_result("prefill", result, a, Path(a.out or data_dir), _plot_prefill)
+    return write_result("prefill", result, a, out_dir(a, cfg), _plot_prefill)
+
+
+def row_cache_fields(res: dict) -> dict | None:
+    """The row cache's figures a prefill result carries (rows served by the cache, the page cache, the device;
+    hits, hit rate, size), where this build has them."""
+    keys = ("rows_from_", "cache_")
+    out = {k: v for k, v in res.items() if k.startswith(keys)}
+    for k in ("row_cache", "cache"):
+        if isinstance(res.get(k), dict):
+            out.update(res[k])
+    return out or None
+
+
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x / MiB:,.1f}"
+
+
+def _x(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}x"
 
 
 def _prefill_targets(path, get: dict, runs: list, a) -> dict:
@@ -150,9 +190,9 @@ def _plot_prefill(res: dict, out) -> None:
     for ax, m in zip(axes, models):
         backends, caches, pick = panel_series(res["backends"], m["runs"])
         bars(ax, backends, caches, {c: [pick(b, c, "tok_per_s_median") for b in backends] for c in caches},
-              lo={c: [pick(b, c, "tok_per_s_min") for b in backends] for c in caches},
-              hi={c: [pick(b, c, "tok_per_s_max") for b in backends] for c in caches},
-              log=True, ylabel="tokens per second (median; whiskers: min-max)")
+             lo={c: [pick(b, c, "tok_per_s_min") for b in backends] for c in caches},
+             hi={c: [pick(b, c, "tok_per_s_max") for b in backends] for c in caches},
+             log=True, ylabel="tokens per second (median; whiskers: min-max)")
         ax.set_title(f"{Path(m['model']).name}: {m['table']}", fontsize=9)
         ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"gds-gather bench prefill: {res['pipeline']}, trunk {res['trunk']}, {res['tokens']:,} tokens, "

@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,6 @@ import numpy as np
 from .. import measure
 from ..config import Config
 
-REPO = Path(__file__).resolve().parents[2]
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HOST_BACKENDS = ("direct", "pread", "mmap", "readahead", "resident")
 
@@ -45,20 +45,41 @@ def short_num(x: float) -> str:
     return f"{x:.3g}"
 
 
-def default_dir(cfg: Config) -> Path:
-    """Where made files (test files, built tables) live: bench/out in a checkout, else the cache directory."""
-    bench = REPO / "bench"
-    if (bench / "bench_io.py").exists() and os.access(bench, os.W_OK):
-        return bench / "out"
-    return Path(cfg.cache_dir) / "bench"
+def out_dir(a, cfg: Config) -> Path:
+    """Where a bench's outputs go (JSON, plots): --out, else the cache directory's bench/ (never the checkout)."""
+    return Path(a.out) if getattr(a, "out", None) else Path(cfg.cache_dir) / "bench"
 
 
-def go_cold(path, method: str = "drop") -> str:
-    """Empty the page cache (drop_caches as root) or evict just this file; returns what was done."""
-    if method == "drop" and measure.drop_caches():
-        return "drop_caches"
-    measure.evict_file(path)
-    return "POSIX_FADV_DONTNEED on the file"
+def data_dir(a, cfg: Config) -> Path:
+    """Where made files live (storage test files, built tables; made once, reused): --dir, else out_dir."""
+    return Path(a.dir) if getattr(a, "dir", None) else out_dir(a, cfg)
+
+
+DROP_CACHES_HELP = ("echo 3 > /proc/sys/vm/drop_caches before each cold pass: empties the page cache of the WHOLE "
+                    "machine (every process's files; root only). Default: evict only the bench's own files")
+
+
+def cold_method(a) -> str:
+    """The header's words for how a cold pass goes cold."""
+    if getattr(a, "drop_caches", False):
+        return "cold = " + DROP_CACHES_HELP.split(":")[0] + " (the whole machine's page cache, root only, asked for)"
+    return "cold = the bench's own files evicted (fsync + POSIX_FADV_DONTNEED; mincore checks it; no other file)"
+
+
+def go_cold(path, drop: bool = False, span: tuple[int, int] | None = None) -> str:
+    """Make `path` cold: evict just this file (default), or, only when asked (--drop-caches), drop the whole
+    machine's page cache. Checks with mincore (over `span` = (offset, length), e.g. a table's data, when given)
+    and returns what was done, saying so when pages stayed cached."""
+    if drop and measure.drop_caches():
+        how = "drop_caches (whole machine)"
+    else:
+        how = ("drop_caches refused (not root): " if drop else "") + "POSIX_FADV_DONTNEED on the file"
+        measure.evict_file(path)
+    left = measure.resident_bytes(path, *(span or (0, None)))
+    if left > 0:
+        how += (f"; NOT fully cold: {left / MiB:.2f} MiB still cached (pages of a live mapping stay, e.g. an open "
+                "Table's metadata mapping of the file's head)")
+    return how
 
 
 def block_device(path) -> str:
@@ -133,11 +154,28 @@ def gpu_facts(cfg: Config) -> dict:
 def bench_facts(path, cfg: Config) -> dict:
     f = measure.machine_facts(path)
     f.update(gpu_facts(cfg))
-    f.update(device=block_device(path), fio=fio_version())
+    io = measure.ReadCounter(path)
+    f.update(device=block_device(path), fio=fio_version(), delivered_method=io.stop()["delivered_method"],
+             device_method=io.device_method)
     return f
 
 
-def print_header(name: str, f: dict) -> None:
+def apply_cache_option(cfg: Config, cache) -> tuple[Config, str]:
+    """--cache BYTES -> Config(cache_bytes=...) where this build has a row cache; returns the header's words."""
+    from dataclasses import fields
+    has = any(f.name == "cache_bytes" for f in fields(Config))
+    if not has:
+        return cfg, ("row cache: none in this build (Config has no cache_bytes)" +
+                     ("; --cache ignored" if cache is not None else ""))
+    if cache is not None:
+        cfg = cfg.with_(cache_bytes=parse_size(cache))
+    size = (f"{cfg.cache_bytes:,} B" if cfg.cache_bytes >= 0 else
+            f"auto ({cfg.cache_bytes}: the build's default, sized per table; see each pass's cache_budget_bytes)")
+    return cfg, f"row cache: budget {size}" + (" (--cache)" if cache is not None else
+                                               " (GDS_GATHER_CACHE_BYTES or the default)")
+
+
+def print_header(name: str, f: dict, extra=()) -> None:
     print(f"# gds-gather bench {name}")
     print(f"# machine  {f['cpu']}, {f['cores']} cores, {f['mem_GiB']} GiB RAM, Linux {f['kernel']}, "
           f"Python {f['python']}, numpy {f['numpy']}")
@@ -145,6 +183,11 @@ def print_header(name: str, f: dict) -> None:
           f"GDS {f['gds']}")
     print(f"# storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
           f"{f['logical_block']} B logical blocks")
+    print(f"# bytes    delivered = {f.get('delivered_method') or 'n/a (no /proc/self/io here)'}; device = "
+          f"{f.get('device_method') or 'n/a (no block device under the file: tmpfs, overlay or network)'}")
+    for line in extra:
+        if line:
+            print(f"# {line}")
     print(f"# tools    fio: {f['fio']}", flush=True)
 
 
@@ -155,10 +198,32 @@ def machine_title(f: dict) -> str:
     return f"{cpu} ({f.get('cores')} cores), {gpu}; {f.get('filesystem', '?')} on {f.get('device', '?')}"
 
 
+def median(values) -> float:
+    """The real median: the middle value, or the mean of the middle two for an even count."""
+    return float(statistics.median(values)) if len(values) else math.nan
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def median_run(runs: list[dict], key: str) -> dict:
-    """The run whose `key` is the median (the upper middle one for an even count), with every value listed."""
-    best = dict(sorted(runs, key=lambda r: r[key])[len(runs) // 2])
+    """One record for repeated runs: every numeric figure is its median over the runs (mean of the middle two
+    for an even count), nested dicts figure by figure; text comes from the first run; `key`_all lists `key`."""
+    def merge(recs):
+        out = dict(recs[0])
+        for k, v in recs[0].items():
+            vals = [r.get(k) for r in recs]
+            if all(_is_num(x) for x in vals):
+                m = median(vals)
+                ints = all(isinstance(x, (int, np.integer)) for x in vals)
+                out[k] = int(m) if ints and m == int(m) else m      # counts stay ints where they can
+            elif all(isinstance(x, dict) for x in vals):
+                out[k] = merge(vals)
+        return out
+    best = merge(runs)
     best[key + "_all"] = [r[key] for r in runs]
+    best["n_runs"] = len(runs)
     return best
 
 
@@ -182,15 +247,16 @@ def jsonable(x):
     return str(x)
 
 
-def write_result(name: str, result: dict, a, out_dir: Path, plot) -> dict:
-    """Write the JSON file, draw the plot, print the JSON line."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / (a.json_name or f"bench_{name}.json")
-    if a.plot:
+def write_result(name: str, result: dict, a, directory: Path, plot) -> dict:
+    """Write the JSON file, draw the plot (--plot alone: bench_NAME.png beside the JSON), print the JSON line."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (a.json_name or f"bench_{name}.json")
+    if a.plot is not None:
+        png = Path(a.plot) if a.plot else path.with_suffix(".png")
         try:
-            plot(result, a.plot)
-            result["plot"] = str(a.plot)
-            print(f"plot: {a.plot}")
+            plot(result, png)
+            result["plot"] = str(png)
+            print(f"plot: {png}")
         except ImportError as e:
             print(f"plot: skipped, matplotlib is not installed (pip install 'gds-gather[plot]'): {e}")
     result["json_file"] = str(path)
@@ -199,4 +265,3 @@ def write_result(name: str, result: dict, a, out_dir: Path, plot) -> dict:
     if a.json:
         print(json.dumps(result, default=jsonable))
     return result
-

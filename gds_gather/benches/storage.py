@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import measure
 from ..config import Config
 from .plot import bars, figure
-from .report import (GiB, KiB, MiB, bench_facts, default_dir, go_cold, human_size, machine_title, median_run,
-                     parse_size, print_header, write_result)
+from .report import (GiB, KiB, MiB, bench_facts, cold_method, data_dir, go_cold, human_size, machine_title,
+                     median_run, out_dir, parse_size, print_header, write_result)
 
 XFER = {"gpu-direct": "GPUD", "cpu-gpu": "CPU_GPU", "cpu": "CPUONLY"}
 STORAGE_PATHS = ("gpu-direct", "cpu-gpu", "cpu")
@@ -37,7 +38,8 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
                    help="comma list of transfer types, after gdsio: gpu-direct (cuFile into GPU memory), cpu-gpu "
                         "(O_DIRECT into a pinned bounce buffer + one H2D copy per batch), cpu (O_DIRECT into host "
                         "memory); default all three, the GPU ones are skipped (saying why) without a GPU")
-    p.add_argument("--cold", action="store_true", help="empty the page cache before each timed run")
+    p.add_argument("--cold", action="store_true", help="evict the file from the page cache before each timed run "
+                                                         "(--drop-caches: the whole machine's page cache)")
     p.add_argument("--seconds", type=float, help="length of each timed run (default 5; --quick 1)")
     p.add_argument("--bytes", help="read this many bytes per timed run instead of for --seconds (e.g. 4G)")
     p.add_argument("--warmup", type=float, help="seconds of untimed reads before each configuration "
@@ -229,6 +231,7 @@ def storage_run(path: Path, xfer: str, io: int, *, threads: int = 1, qd: int = 1
         for i in range(nthreads):
             workers.append(_StorageWorker(path, xfer, io, qd, pattern, i, nthreads, seed, threads))
         barrier = threading.Barrier(nthreads)
+        io_count = measure.ReadCounter(path)
         ths = [threading.Thread(target=w.run, args=(seconds, nbytes and -(-nbytes // nthreads), barrier),
                                 name=f"bench-storage-{i}") for i, w in enumerate(workers)]
         for t in ths:
@@ -238,10 +241,12 @@ def storage_run(path: Path, xfer: str, io: int, *, threads: int = 1, qd: int = 1
         for w in workers:
             if w.error is not None:
                 raise w.error
+        got = io_count.stop()
         ops = sum(w.ops for w in workers)
         wall = max(w.t1 for w in workers) - min(w.t0 for w in workers)
         lat = np.concatenate([w.lat for w in workers])
         return {"gib_s": ops * io / wall / GiB, "iops": ops / wall, "ops": ops, "bytes": ops * io, "seconds": wall,
+                "bytes_delivered": got["delivered_bytes"], "bytes_device": got["device_bytes"],
                 "mean_lat_us": float(lat.mean()) / 1e3 if lat.size else 0.0,
                 "p99_lat_us": float(np.percentile(lat, 99)) / 1e3 if lat.size else 0.0,
                 "qd": workers[0].qd, "notes": workers[0].notes}
@@ -272,6 +277,10 @@ def storage_file(directory: Path, size: int) -> Path:
     return path
 
 
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x / MiB:,.1f}"
+
+
 def _lat(us: float) -> str:
     return f"{us:.1f}" if us < 100 else f"{us:.0f}"
 
@@ -279,10 +288,11 @@ def _lat(us: float) -> str:
 def gdsio_line(c: dict) -> str:
     m = c["median"]
     return (f"IoType: {'RANDREAD' if c['pattern'] == 'rand' else 'READ'} XferType: {XFER[c['path']]} "
-            f"Threads: {c['threads']} IoDepth: {m['qd']} DataSetSize: {m['bytes'] // KiB}/{c['file_bytes'] // KiB}(KiB) "
+            f"Threads: {c['threads']} IoDepth: {m['qd']:.0f} "
+            f"DataSetSize: {m['bytes'] // KiB:.0f}/{c['file_bytes'] // KiB}(KiB) "
             f"IOSize: {c['io_size'] // KiB}(KiB) Throughput: {m['gib_s']:.2f} GiB/sec, IOPS: {m['iops']:.0f}, "
             f"Avg_Latency: {_lat(m['mean_lat_us'])} usecs, p99_Latency: {_lat(m['p99_lat_us'])} usecs "
-            f"ops: {m['ops']} total_time {m['seconds']:.1f} secs")
+            f"ops: {m['ops']:.0f} total_time {m['seconds']:.1f} secs")
 
 
 def run_storage(a, cfg: Config) -> dict:
@@ -300,11 +310,10 @@ def run_storage(a, cfg: Config) -> dict:
             raise ValueError(f"--path must be a comma list of {', '.join(STORAGE_PATHS)}; got {x!r}")
     if a.threads < 1 or a.qd < 1 or repeat < 1:
         raise ValueError("--threads, --qd and --repeat must be >= 1")
-    data_dir = Path(a.dir or a.out or default_dir(cfg))
-    path = Path(a.file) if a.file else storage_file(data_dir, size)
+    path = Path(a.file) if a.file else storage_file(data_dir(a, cfg), size)
     file_bytes = os.path.getsize(path)
     facts = bench_facts(path, cfg)
-    print_header("storage", facts)
+    print_header("storage", facts, [cold_method(a) if a.cold else ""])
     plat = detect(cfg.platform)
     skipped = {}
     if plat.kind == "cpu":
@@ -347,15 +356,17 @@ def run_storage(a, cfg: Config) -> dict:
             runs = []
             for r in range(repeat):
                 if a.cold:
-                    go_cold(path, a.cold_method)
+                    go_cold(path, a.drop_caches)
                 runs.append(storage_run(path, x, io, seconds=None if nbytes else seconds, nbytes=nbytes, seed=r,
                                         **kw))
             c = {"path": x, "xfer": XFER[x], "io_size": io, "pattern": a.pattern, "threads": a.threads,
                  "file_bytes": file_bytes, "runs": runs, "median": median_run(runs, "gib_s")}
             result["results"].append(c)
             each = " ".join(f"{r['gib_s']:.2f}" for r in runs)
-            print(gdsio_line(c) + f"   [runs {each} GiB/s; {', '.join(runs[0]['notes'])}]", flush=True)
-    return write_result("storage", result, a, Path(a.out or data_dir), _plot_storage)
+            m = c["median"]
+            print(gdsio_line(c) + f" delivered: {_mib(m['bytes_delivered'])} MiB, device: {_mib(m['bytes_device'])} MiB"
+                  f"   [runs {each} GiB/s; {', '.join(runs[0]['notes'])}]", flush=True)
+    return write_result("storage", result, a, out_dir(a, cfg), _plot_storage)
 
 
 def _plot_storage(res: dict, out) -> None:
@@ -365,19 +376,22 @@ def _plot_storage(res: dict, out) -> None:
     sizes = sorted({r["io_size"] for r in rows})
     paths = [p for p in STORAGE_PATHS if any(r["path"] == p for r in rows)]
     groups = [human_size(s) for s in sizes]
-    get = lambda p, s, k: next((r["median"][k] for r in rows if r["path"] == p and r["io_size"] == s), None)  # noqa: E731
+
+    def get(p, s, k):
+        return next((r["median"][k] for r in rows if r["path"] == p and r["io_size"] == s), None)
+
     fig, (ax1, ax2) = figure(2, 5.6, 4.4)
     names = {p: f"{XFER[p]} ({p})" for p in paths}
     bars(ax1, groups, [names[p] for p in paths], {names[p]: [get(p, s, "gib_s") for s in sizes] for p in paths},
-          ylabel="GiB/s (median)", label_fmt=lambda v: f"{v:.2f}")
+         ylabel="GiB/s (median)", label_fmt=lambda v: f"{v:.2f}")
     ax1.set_xlabel("I/O size")
     ax1.set_title(f"throughput, {'random' if res['pattern'] == 'rand' else 'sequential'} reads, "
                   f"{res['threads']} thread(s), QD up to {res['qd']}", fontsize=10)
     ax1.legend(fontsize=8)
     bars(ax2, groups, [names[p] for p in paths], {names[p]: [get(p, s, "mean_lat_us") for s in sizes] for p in paths},
-          lo={names[p]: [get(p, s, "mean_lat_us") for s in sizes] for p in paths},
-          hi={names[p]: [get(p, s, "p99_lat_us") for s in sizes] for p in paths},
-          log=True, ylabel="latency per I/O, us (bar: mean, whisker: p99)", label_fmt=lambda v: f"{v:.0f}")
+         lo={names[p]: [get(p, s, "mean_lat_us") for s in sizes] for p in paths},
+         hi={names[p]: [get(p, s, "p99_lat_us") for s in sizes] for p in paths},
+         log=True, ylabel="latency per I/O, us (bar: mean, whisker: p99)", label_fmt=lambda v: f"{v:.0f}")
     ax2.set_xlabel("I/O size")
     ax2.set_title("latency", fontsize=10)
     fig.suptitle(f"gds-gather bench storage: {res['file_bytes'] / GiB:.2f} GiB file\n{machine_title(res['facts'])}",
