@@ -10,6 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
+from gds_gather.gguf_file import read_gguf
+
+PLE_NAME = b"per_layer_token_embd.weight"
 
 
 def test_hierarchy():
@@ -29,6 +32,8 @@ def test_not_gguf(tmp_path):
     with pytest.raises(FileNotFoundError):
         gg.open_table(tmp_path / "missing.gguf")
     with pytest.raises(gg.NotGGUFError, match="regular file"):
+        read_gguf(tmp_path)
+    with pytest.raises((gg.GatherError, FileNotFoundError)):     # a directory is a (safetensors) model dir
         gg.open_table(tmp_path)
     (tmp_path / "v9.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 9, 0, 0))
     with pytest.raises(gg.NotGGUFError, match="version 9"):
@@ -134,8 +139,9 @@ def test_absurd_string_length(tmp_path):
 
 def test_bad_dtype(small_table):
     with gg.open_table(small_table) as t:
-        with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        with pytest.raises(gg.GatherError, match="float32.*float16.*bfloat16") as e:
             t.gather([1], dtype=np.int32)
+        assert isinstance(e.value, TypeError)
 
 
 def test_bad_config():
@@ -178,3 +184,230 @@ def test_auto_device_choice_follows_the_measurement(monkeypatch):
     with pytest.raises(gg.BackendError, match="no usable GPU"):
         monkeypatch.setattr(backends, "detect", lambda override="auto": Platform("cpu", "none"))
         backends.resolve_device("auto", gg.Config())
+
+
+# ---- hostile GGUF headers (issue 11): each case a GatherError, fast, with bounded memory -----------------------------
+
+def _s(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return _s(key.encode()) + struct.pack("<I", vtype) + payload
+
+
+def _tensor_field_at(path, name: bytes = PLE_NAME) -> int:
+    """Byte offset of the tensor info's name length field, found with gguf's own reader."""
+    from gguf import GGUFReader
+    return next(t for t in GGUFReader(str(path)).tensors if t.name == name.decode()).field.offset
+
+
+def _patch(path, at: int, fmt: str, *values) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(struct.pack(fmt, *values))
+
+
+def _timed_open(path, exc, match=None, limit=2.0):
+    t0 = time.perf_counter()
+    with pytest.raises(exc, match=match) as e:
+        gg.open_table(path)
+    assert time.perf_counter() - t0 < limit
+    return e.value
+
+
+def test_non_utf8_architecture(small_table):
+    data = bytearray(small_table.read_bytes())
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
+    assert data[at:at + 8] == b"qwen4exp"
+    data[at + 5] = 0xFF
+    small_table.write_bytes(bytes(data))
+    _timed_open(small_table, gg.HeaderError, "not valid UTF-8")
+
+
+def test_non_utf8_key_and_tensor_name(small_table):
+    data = small_table.read_bytes()
+    bad = data.replace(b"general.architecture", b"general.architectur\xfe", 1)
+    small_table.write_bytes(bad)
+    _timed_open(small_table, gg.HeaderError, "UTF-8")
+    small_table.write_bytes(data.replace(b"token_embd.weight", b"token_embd.weigh\xff", 1))
+    _timed_open(small_table, gg.HeaderError, "UTF-8")
+
+
+def test_non_utf8_string_array_item(tmp_path, ggufs):
+    """A metadata string array with a bad item opens (items decode on demand) and its contents() is a HeaderError."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(tmp_path / "a.gguf"), "qwen4exp")
+    w.add_array("general.tags", ["good", "b\u00e9d"])
+    w.add_tensor(ggufs.PLE, ggufs.rows(Q.Q8_0, 4, 64), raw_dtype=Q.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    p = tmp_path / "a.gguf"
+    p.write_bytes(p.read_bytes().replace("b\u00e9d".encode(), b"b\xe9\xffd", 1))
+    with gg.open_table(p) as t:
+        with pytest.raises(gg.HeaderError, match="general.tags.*UTF-8"):
+            t.field("general.tags")
+        assert t.reader.get_field("general.tags").contents(0) == "good"
+
+
+def test_nesting_3000_deep(tmp_path):
+    """36 KB of arrays nested 3,000 deep: a HeaderError (gguf's reader: RecursionError)."""
+    kv = _s(b"general.deep") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 3000 + struct.pack("<IQ", 0, 0)
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(_header(0, 1, kv) + bytes(64))
+    assert 35_000 < p.stat().st_size < 40_000
+    _timed_open(p, gg.HeaderError, "nests arrays more than 2 deep", limit=0.5)
+
+
+def test_nesting_two_levels_reads(tmp_path, ggufs):
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(tmp_path / "n.gguf"), "qwen4exp")
+    w.add_array("general.pairs", [[1, 2], [3, 4, 5]])
+    w.add_tensor(ggufs.PLE, ggufs.rows(Q.Q8_0, 4, 64), raw_dtype=Q.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with gg.open_table(tmp_path / "n.gguf") as t:
+        assert t.field("general.pairs") == [[1, 2], [3, 4, 5]]
+
+
+def _string_array_file(path, n_real: int, zero_tail: int) -> int:
+    """A GGUF whose first key is a string array of n_real items followed by `zero_tail` zero bytes (which read as
+    empty strings), then a valid table; returns the byte offset of the array's count."""
+    items = b"".join(_s(f"t{i}".encode()) for i in range(n_real))
+    kv = _s(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, n_real) + items + bytes(zero_tail)
+    path.write_bytes(_header(0, 1, kv))
+    return 24 + 8 + len(b"tokenizer.ggml.tokens") + 8
+
+
+@pytest.mark.parametrize("size_mb", [1, 4])
+def test_inflated_string_array_count(tmp_path, size_mb):
+    """A count inflated to what the file could hold (every remaining byte an empty string): gguf's reader looped
+    item by item (1 MB: 27 s, 1.4 GB; 4 MB: 141 s, 5.6 GB). Here: well under 2 s, and no allocation per item."""
+    import tracemalloc
+    p = tmp_path / "inflated.gguf"
+    count_at = _string_array_file(p, 20_000, size_mb * 2**20)
+    size = p.stat().st_size
+    for count in ((size - count_at - 8) // 8, (size - count_at - 8) // 8 - 1000, 20_000 + size_mb * 2**17):
+        _patch(p, count_at, "<Q", count)
+        err = _timed_open(p, gg.GatherError, limit=2.0)
+        if count == 20_000 + size_mb * 2**17:
+            assert isinstance(err, gg.TableNotFoundError)   # exactly every zero byte as empty strings: a valid file
+        else:
+            assert isinstance(err, (gg.HeaderError, gg.TruncatedFileError))
+        if size_mb > 1:
+            continue
+        tracemalloc.start()                # (slows the walk down: a second, untimed open)
+        try:
+            _timed_open(p, type(err), limit=60)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2 * 2**20            # Python and numpy allocations: nothing per item (131,072 items)
+
+
+def test_inflated_string_length(tmp_path):
+    p = tmp_path / "s.gguf"
+    _string_array_file(p, 10, 0)
+    data = bytearray(p.read_bytes())
+    at = data.index(b"t5") - 8
+    struct.pack_into("<Q", data, at, 2**63)
+    p.write_bytes(bytes(data))
+    _timed_open(p, gg.TruncatedFileError, "tokenizer.ggml.tokens")
+
+
+def test_find_tensor_parses_once(tmp_path, ggufs, monkeypatch):
+    from gds_gather import gguf_file
+    p = ggufs.write(tmp_path / "no-ple.gguf", None, Q.Q4_0)
+    calls = []
+    real = gguf_file.GGUFHeader
+    monkeypatch.setattr(gguf_file, "GGUFHeader", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with pytest.raises(gg.TableNotFoundError, match="token_embd.weight"):
+        gguf_file.find_tensor(p, ggufs.PLE)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dims, match", [
+    ((160, 2**63 + 5), "negative"),                 # below and above 2**63 mixed (was: float64 overflow warning)
+    ((2**63 - 1, 1), "INT64_MAX"),
+    ((2**40, 2**40), "INT64_MAX"),
+    ((160, 2**62), "past the end|INT64_MAX"),
+])
+def test_dims_exact(small_table, dims, match):
+    at = _tensor_field_at(small_table) + 8 + len(PLE_NAME) + 4
+    _patch(small_table, at, "<2Q", *dims)
+    _timed_open(small_table, gg.GatherError, match)
+
+
+def test_too_many_dims(small_table):
+    _patch(small_table, _tensor_field_at(small_table) + 8 + len(PLE_NAME), "<I", 5)
+    _timed_open(small_table, gg.HeaderError, "5 dimensions")
+
+
+def _offset_at(path, name: bytes = PLE_NAME) -> int:
+    return _tensor_field_at(path, name) + 8 + len(name) + 4 + 2 * 8 + 4
+
+
+def test_misaligned_table_offset(small_table):
+    at = _offset_at(small_table)
+    off = struct.unpack("<Q", small_table.read_bytes()[at:at + 8])[0]
+    _patch(small_table, at, "<Q", off + 1)
+    _timed_open(small_table, gg.HeaderError, "not a multiple of the alignment 32")
+
+
+def test_table_overlapping_another_tensor(small_table):
+    _patch(small_table, _offset_at(small_table), "<Q", 0)      # token_embd.weight's bytes
+    _timed_open(small_table, gg.HeaderError, "overlaps the data of tensor 'token_embd.weight'")
+
+
+def test_table_after_a_gap(small_table):
+    at = _offset_at(small_table)
+    off = struct.unpack("<Q", small_table.read_bytes()[at:at + 8])[0]
+    _patch(small_table, at, "<Q", off + 32)
+    _timed_open(small_table, gg.GatherError, "gap|past the end")
+
+
+def test_other_tensor_past_eof(tmp_path, ggufs):
+    """A tensor after the table whose data runs past the end: refused, naming it."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "qwen4exp")
+    w.add_tensor(ggufs.PLE, ggufs.rows(Q.Q8_0, 4, 64), raw_dtype=Q.Q8_0)
+    w.add_tensor("output.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    p = tmp_path / "t.gguf"
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size - 4)
+    _timed_open(p, gg.TruncatedFileError, "output.weight.*past the end")
+
+
+def test_big_endian_refused_by_name(small_table):
+    data = bytearray(small_table.read_bytes())
+    data[4:8] = struct.pack(">I", 3)
+    small_table.write_bytes(bytes(data))
+    assert struct.unpack("<I", data[4:8])[0] == 50331648
+    _timed_open(small_table, gg.NotGGUFError, "big-endian GGUF files are not supported")
+
+
+@pytest.mark.parametrize("vtype", [13, 255, 2**31])
+def test_unknown_value_type(tmp_path, vtype):
+    p = tmp_path / "v.gguf"
+    p.write_bytes(_header(0, 1, _kv("general.x", vtype, bytes(16))) + bytes(64))
+    _timed_open(p, gg.HeaderError, f"unknown value type {vtype}")
+    p.write_bytes(_header(0, 1, _kv("general.x", 9, struct.pack("<IQ", vtype, 1))) + bytes(64))
+    _timed_open(p, gg.HeaderError, f"unknown item type {vtype}")
+
+
+@pytest.mark.parametrize("type_id", [4, 41 + 50, 2**31 + 1])
+def test_unknown_type_of_another_tensor_is_tolerated(tmp_path, ggufs, type_id):
+    """Only the table's type matters: another tensor of a type gguf does not know (a newer ggml) is skipped."""
+    p = ggufs.write(tmp_path / "x.gguf", ggufs.rows(Q.Q8_0, 8, 64), Q.Q8_0)
+    ref = ggufs.reference(p)
+    ggufs.patch(p, name="token_embd.weight", type_id=type_id)
+    with gg.open_table(p) as t:
+        np.testing.assert_array_equal(t.gather([3, 0]), ref[[3, 0]])
+
+
+def test_duplicate_key_and_bad_alignment(tmp_path):
+    kv = _kv("general.a", 4, struct.pack("<I", 1)) * 2
+    (tmp_path / "d.gguf").write_bytes(_header(0, 2, kv) + bytes(64))
+    _timed_open(tmp_path / "d.gguf", gg.HeaderError, "duplicate metadata key 'general.a'")
+    for payload, vtype, match in ((struct.pack("<I", 48), 4, "power of two"), (struct.pack("<Q", 32), 10, "UINT32")):
+        (tmp_path / "a.gguf").write_bytes(_header(0, 1, _kv("general.alignment", vtype, payload)) + bytes(64))
+        _timed_open(tmp_path / "a.gguf", gg.HeaderError, match)
