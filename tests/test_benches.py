@@ -201,7 +201,7 @@ def test_bench_io_wrapper_random_ids_tmpfs(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.main(["--quick", "--rows", "20000", "--ids", "2000", "--batch", "500", "--repeat", "1", "--no-fio",
-                    "--backends", "direct,mmap,resident", "--no-again", "--dir", str(tmp_path)])
+                    "--backends", "direct,mmap,resident", "--no-again", "--cache", "0", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     (t,) = res["tables"]
     assert t["ids"] == 2000 and "2,000 uniform random row ids" in t["trace"]
@@ -209,6 +209,14 @@ def test_bench_io_wrapper_random_ids_tmpfs(tmp_path, capsys):
                                                                ("direct", "warm"), ("mmap", "warm"),
                                                                ("resident", "warm")}
     assert "cold: direct / mmap (I/O issue)" in out and "(target >= 3.0)" in out
+    from dataclasses import fields
+    from gds_gather.config import Config
+    if any(f.name == "cache_bytes" for f in fields(Config)):     # --cache 0 -> Config(cache_bytes=0): no row cache
+        assert "# row cache: budget 0 B (--cache)" in out
+        for r in t["runs"]:
+            assert r["row_cache"] is None or r["row_cache"].get("rows_from_cache", 0) == 0
+    else:
+        assert "--cache ignored" in out
     # --dir holds made files; the JSON goes to the cache directory (no --out)
     assert (tmp_path / "cache" / "bench" / "bench_io.json").exists() and not (tmp_path / "bench_io.json").exists()
 
