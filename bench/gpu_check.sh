@@ -1,59 +1,155 @@
 #!/usr/bin/env bash
-# One-command GPU check: install offline, run the `gpu` tests and a short version of the three benches, and write
-# the log, the JSON files and the plots to OUTDIR. Sized for under 6 minutes on an H200.
+# shellcheck disable=SC2317   # functions run through `step` (timeout + bash -c), not called directly
+# One-command GPU check on an offline GPU machine: check the imports, install, run the `gpu` tests and short
+# versions of the benches, and end with ONE JSON summary plus the log.
 #
-#     bash bench/gpu_check.sh OUTDIR
+#     bash bench/fetch_wheels.sh            # beforehand, on a machine with PyPI: wheels the image lacks -> .whl/
+#     bash bench/gpu_check.sh OUTDIR        # on the GPU machine (carry .whl with the checkout)
 #
-# Made for a GPU machine with no network: KvikIO and gguf travel as wheels in the repo's .whl/ folder (ignored by
-# git), fetched beforehand on a machine with PyPI for the target's Python (3.12 on the device machine):
+# Steps, each under `timeout`, each run even if an earlier one failed, within GPU_CHECK_BUDGET seconds (default
+# 540, the H200 allowance; a step the budget cannot fit is "not run: budget"):
+#   imports   every module the run needs, checked on this machine first; what is missing is printed
+#   wheels    .whl/*.whl -> pip install --no-index --no-deps --target $SITE (works where PEP 668 refuses a
+#             system install); $SITE goes first on PYTHONPATH
+#   package   this checkout as a tiny site dir ($SITE_PKG/gds_gather: symlinks to gds_gather/*, plus model/ and
+#             kernels/ as gds_gather.model and gds_gather.kernels); every Python runs with -P, so the
+#             checkout's own gds_gather/ (which lacks those two) never shadows it
+#   facts     python, where each module comes from, platform detection, backends
+#   gpu-tests pytest -m gpu with a junit XML; zero collected gpu tests is a failure (FAILED: 0 collected)
+#   bench-kernels, bench-storage, bench-gather, bench-prefill (--targets: graph vs no-graph, ratios)
+# Without a GPU (no nvidia-smi -L, or cupy sees no device) every GPU step is "skipped: no GPU"; gpu-tests then
+# only collects, to prove the selection is not empty.
 #
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-#         --platform manylinux2014_x86_64 -d .whl kvikio-cu13 libkvikio-cu13 rapids-logger gguf
-#
-# They are installed into /tmp/site (PYTHONPATH); without .whl/ whatever is installed is used. The package is
-# installed without build isolation (pip -e, offline; PYTHONPATH=repo if that fails). Every step runs under
-# `timeout` within an overall budget (GPU_CHECK_BUDGET seconds, default 345); a failed step does not stop the
-# next, and a summary ends the log. Exit status: 0 when every step passed, 1 otherwise.
-#
-# OUTDIR receives 7 files: gpu_check.log (everything, summary last) and bench_{storage,gather,prefill}.{json,png}.
-# Made files (the storage test file, the gather tables) go to GPU_CHECK_WORK (default /tmp/gds-gather-gpu-check).
-set -euo pipefail
+# OUTDIR receives at most 8 files: summary.json (the one summary: every step's status and seconds, missing
+# imports, tests passed/failed/skipped per file from the junit XML, kernel GB/s per type vs the D2D copy,
+# graph vs eager prefill, prefill ratios and targets), gpu_check.log (everything), gpu_tests.xml and
+# bench_{kernels,storage,gather,prefill}.json. GPU_CHECK_PLOTS=1 adds the bench plots (3 more files).
+# Exit status: 0 when every step is ok or "skipped: no GPU"; 1 when any failed, timed out or was not run;
+# 2 for bad usage.
+set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${GPU_CHECK_WORK:-/tmp/gds-gather-gpu-check}
-BUDGET=${GPU_CHECK_BUDGET:-345}
-mkdir -p "$OUT" "$WORK"
+BUDGET=${GPU_CHECK_BUDGET:-540}
+SITE=${GPU_CHECK_SITE:-/tmp/gds-gather-site}
+mkdir -p "$OUT" "$WORK" || exit 2
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
-cd "$REPO"
-export PYTHONUNBUFFERED=1
+STEPS="$WORK/steps.tsv"
+: >"$STEPS"
+cd "$REPO" || exit 2
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 PY=${PYTHON:-python3}
+PYP=("$PY" -P)          # -P: the checkout's directory is never put first on sys.path
+export PY OUT REPO SITE WORK
 T0=$(date +%s)
-NAMES=() RCS=() SECS=()
+GPU=0
 
-step() {   # step NAME CAP_SECONDS COMMAND...: run COMMAND under timeout, record its exit status and duration
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; }   # NAME STATUS SECONDS
+
+step() {   # step NAME CAP_SECONDS COMMAND...: run under timeout; record ok / failed (exit N) / timeout
     local name=$1 cap=$2
     shift 2
-    local left=$((BUDGET - ($(date +%s) - T0)))
+    local left=$((BUDGET - 15 - ($(date +%s) - T0)))     # 15 s kept for the summary
     local limit=$((cap < left ? cap : left))
     if ((limit < 5)); then
         echo "== $name: not run, the ${BUDGET} s budget is spent"
-        NAMES+=("$name") RCS+=(skipped) SECS+=(0)
+        record "$name" "not run: budget" 0
         return 0
     fi
     echo
     echo "== $name (limit ${limit} s): $*"
     local start rc=0
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" || rc=$?
-    NAMES+=("$name") RCS+=("$rc") SECS+=($(($(date +%s) - start)))
-    echo "== $name: exit $rc after $(($(date +%s) - start)) s"
+    timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" || rc=$?     # bash: the steps may be functions
+    local secs=$(($(date +%s) - start)) status
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="timeout after ${limit} s" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    record "$name" "$status" "$secs"
+    echo "== $name: $status after $secs s"
     return 0
 }
 
-last_ok() { [[ ${RCS[${#RCS[@]}-1]} == 0 ]]; }
+gpu_step() {   # like step, but "skipped: no GPU" without one
+    if ((GPU)); then
+        step "$@"
+    else
+        echo "== $1: skipped: no GPU"
+        record "$1" "skipped: no GPU" 0
+    fi
+}
+
+check_imports() {
+    "$PY" -P - "$@" <<'EOF'
+import importlib, json, sys
+required = ["numpy", "gguf", "tqdm", "yaml", "torch", "cupy", "pytest", "hypothesis", "gds_gather",
+            "gds_gather.model", "gds_gather.kernels"]
+wanted = ["kvikio", "matplotlib", "ml_dtypes", "safetensors", "transformers"]
+missing, found = [], {}
+for name in required + wanted:
+    try:
+        m = importlib.import_module(name)
+        found[name] = getattr(m, "__version__", "") or getattr(m, "__file__", "")
+    except Exception as e:
+        missing.append(name)
+        found[name] = f"MISSING ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
+for name in required + wanted:
+    print(f"  {name:<20} {found[name]}")
+bad = [m for m in missing if m in required]
+print("missing (required):", ", ".join(bad) or "none")
+print("missing (optional: the tests that need them skip):", ", ".join(m for m in missing if m in wanted) or "none")
+with open(sys.argv[1], "w") as f:
+    json.dump({"required": bad, "optional": [m for m in missing if m in wanted]}, f)
+sys.exit(1 if bad else 0)
+EOF
+}
+
+make_site() {   # this checkout as gds_gather + gds_gather.model + gds_gather.kernels, by symlinks
+    local pkg=$SITE/pkg
+    rm -rf "$pkg" && mkdir -p "$pkg/gds_gather" || return 1
+    local f
+    for f in "$REPO"/gds_gather/*; do
+        [[ $(basename "$f") == __pycache__ ]] || ln -s "$f" "$pkg/gds_gather/" || return 1
+    done
+    ln -s "$REPO/model" "$pkg/gds_gather/model" && ln -s "$REPO/kernels" "$pkg/gds_gather/kernels" || return 1
+    PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} "$PY" -P -c "import gds_gather, gds_gather.model, gds_gather.kernels, sys
+assert gds_gather.__file__.startswith('$pkg'), gds_gather.__file__
+print('gds_gather from', gds_gather.__file__, '| model', gds_gather.model.__file__)"
+}
+
+have_gpu() {
+    command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
+        "${PYP[@]}" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" >/dev/null 2>&1
+}
+
+gpu_tests() {
+    if ((GPU)); then
+        "$PY" -P -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
+        local rc=$?
+        local n
+        n=$("$PY" -P -c "import xml.etree.ElementTree as E; r=E.parse('$OUT/gpu_tests.xml').getroot(); \
+print(sum(int(s.get('tests', 0)) for s in ([r] if r.tag == 'testsuite' else r.iter('testsuite'))))" 2>/dev/null || echo 0)
+        if [[ $n == 0 ]]; then
+            echo "FAILED: 0 gpu tests collected: the GPU check tested nothing (see the collection errors above)"
+            return 3
+        fi
+        return "$rc"
+    fi
+    local n
+    n=$("$PY" -P -m pytest -m gpu --collect-only -q -p no:cacheprovider 2>&1 | grep -cE '^tests/.*::')
+    echo "no GPU: collected $n gpu tests (not run)"
+    if [[ $n == 0 ]]; then
+        echo "FAILED: 0 gpu tests collected"
+        return 3
+    fi
+    return 0
+}
+
+export -f check_imports make_site gpu_tests
 
 main() {
     echo "gds-gather GPU check: repo $REPO, out $OUT, work $WORK, budget ${BUDGET} s, $(date -u +%FT%TZ)"
@@ -61,67 +157,60 @@ main() {
     if command -v nvidia-smi >/dev/null; then
         step nvidia-smi 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     else
-        echo "nvidia-smi: not found (no NVIDIA driver on this machine: the GPU steps will skip)"
+        echo "nvidia-smi: not found (no NVIDIA driver here)"
     fi
 
-    # -- install: wheels (offline) into /tmp/site, then the package without build isolation ------------------------------
+    # -- install: wheels (offline) into $SITE, then this checkout as a site dir ----------------------------------
+    mkdir -p "$SITE"
     if compgen -G ".whl/*.whl" >/dev/null; then
-        step wheels 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl
-        if last_ok; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+        step wheels 90 "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --find-links .whl --target "$SITE/wheels" .whl/*.whl
+        export PYTHONPATH=$SITE/wheels${PYTHONPATH:+:$PYTHONPATH}
     else
-        echo "wheels: no .whl/*.whl in $REPO: using the installed kvikio/gguf (if any)"
+        echo "wheels: no .whl/*.whl in $REPO (bash bench/fetch_wheels.sh fetches them): using what is installed"
+        record wheels "skipped: no .whl/" 0
     fi
-    step install 120 "$PY" -m pip install -q --no-index --no-build-isolation --no-deps -e .
-    if ! last_ok; then
-        echo "install: pip failed; running from the checkout instead (PYTHONPATH=$REPO)"
-    fi
-    export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}   # this checkout's code either way
-    step facts 60 "$PY" - <<'EOF'
-import importlib.util, sys
+    step package 30 make_site
+    export PYTHONPATH=$SITE/pkg${PYTHONPATH:+:$PYTHONPATH}
+    step imports 60 check_imports "$WORK/missing.json"
+    if have_gpu; then GPU=1; else GPU=0; echo "GPU: none usable here: every GPU step is skipped: no GPU"; fi
+    export GPU
+    step facts 60 "${PYP[@]}" - <<'EOF'
+import sys
 import gds_gather as gg
 from gds_gather.backends import gds_state
 from gds_gather.platform import detect
 print("python", sys.version.split()[0], "| gds_gather from", gg.__file__)
-for name in ("numpy", "torch", "cupy", "kvikio", "gguf", "matplotlib"):
-    spec = importlib.util.find_spec(name)
-    print(f"  {name:<10} {spec.origin if spec else 'MISSING'}")
 p = detect()
 print("platform:", p.kind, "|", p.reason, "|", p.device)
+print("GPU path:", p.path)
 if p.kind != "cpu":
     print("gds_state:", gds_state())
 for b in gg.backends():
     print(f"  {b.name:<10} {'yes' if b.available else 'no '}  {b.reason}")
 EOF
 
-    # -- tests and benches -----------------------------------------------------------------------------------------------
-    step gpu-tests 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider
-    if [[ ${RCS[${#RCS[@]}-1]} == 5 ]]; then RCS[${#RCS[@]}-1]=0; echo "gpu-tests: no test selected"; fi
-    step bench-kernels 45 "$PY" bench/bench_kernels.py --quick    # dequant-scatter GB/s vs a D2D copy (log only)
-    BENCH=("$PY" -m gds_gather.cli bench)
-    step bench-storage 40 "${BENCH[@]}" storage --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_storage.png"
-    step bench-gather 70 "${BENCH[@]}" gather --quick --dir "$WORK" --out "$OUT" --json --plot "$OUT/bench_gather.png"
-    step bench-prefill 100 "${BENCH[@]}" prefill --quick --targets --trunk tiny --no-warm --repeat 1 --dir "$WORK" \
-        --out "$OUT" --json --plot "$OUT/bench_prefill.png"
+    # -- tests and benches -----------------------------------------------------------------------------------------
+    step gpu-tests 200 gpu_tests
+    if ((!GPU)); then   # the collection above proved the selection; the tests themselves need a GPU
+        sed -i '$ s/\tok\t/\tskipped: no GPU (collected only)\t/' "$STEPS"
+    fi
+    gpu_step bench-kernels 60 bash -c "\"\$@\" bench/bench_kernels.py --quick --json >'$OUT/bench_kernels.json'" _ \
+        "${PYP[@]}"
+    local plot=()
+    BENCH=("${PYP[@]}" -m gds_gather.cli bench)
+    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_storage.png")
+    gpu_step bench-storage 40 "${BENCH[@]}" storage --quick --dir "$WORK" --out "$OUT" "${plot[@]}"
+    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_gather.png")
+    gpu_step bench-gather 70 "${BENCH[@]}" gather --quick --dir "$WORK" --out "$OUT" "${plot[@]}"
+    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_prefill.png")
+    gpu_step bench-prefill 110 "${BENCH[@]}" prefill --quick --targets --trunk tiny --no-warm --repeat 1 \
+        --dir "$WORK" --out "$OUT" "${plot[@]}"
 
-    # -- summary ---------------------------------------------------------------------------------------------------------
+    # -- the one JSON summary ----------------------------------------------------------------------------------------
     echo
     echo "== summary ($(($(date +%s) - T0)) s in all; budget ${BUDGET} s)"
-    failed=0
-    for i in "${!NAMES[@]}"; do
-        case ${RCS[$i]} in
-            0) state=ok ;;
-            124 | 137) state="TIMEOUT"; failed=1 ;;
-            skipped) state="NOT RUN (budget)"; failed=1 ;;
-            *) state="FAILED (exit ${RCS[$i]})"; failed=1 ;;
-        esac
-        printf '  %-14s %-18s %4s s\n' "${NAMES[$i]}" "$state" "${SECS[$i]}"
-    done
-    grep -h -E '^(=+ .*(passed|failed|skipped|error).* =+|[0-9]+ (passed|failed|skipped).*)$' "$LOG" | tail -1 | sed 's/^/  gpu tests: /' || true
-    grep -h -E '^(IoType:|XferType:|WARNING: cuFile)' "$LOG" | sed 's/^/  /' || true
-    echo "  files in $OUT:"
-    find "$OUT" -maxdepth 1 -type f -printf '    %f  %s B\n' | sort
-    return $failed
+    "${PYP[@]}" "$REPO/bench/gpu_check_summary.py" "$OUT" "$STEPS" "$WORK/missing.json" "$GPU"
 }
 
 main 2>&1 | tee "$LOG"

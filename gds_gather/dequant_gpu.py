@@ -48,6 +48,9 @@ HOST_SOURCE = "host_check.cu"
 # NVRTC options: no FMA contraction, denormals kept. CuPy appends -ftz=true after these (cupy/cuda/compiler.py),
 # and the last -ftz wins; the kernels do not depend on it (see dequant.cuh, gg_mul).
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false")
+# hiprtc (cupy's ROCm build) takes clang options; cupy appends -fcuda-flush-denormals-to-zero, which the kernels
+# do not depend on either (gg_mul keeps subnormals on HIP in integer arithmetic; see dequant.cuh).
+HIPRTC_OPTIONS = ("-std=c++17", "-ffp-contract=off")
 # g++ options for the host check: no contraction, no fast math (x86-64 float math is SSE: no excess precision).
 HOST_CXX_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 OUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -180,7 +183,9 @@ def module(qtype):
     """
     cp = _cupy()
     qt = quants.check_supported(qtype)
-    return cp.RawModule(code=source(), options=NVRTC_OPTIONS, name_expressions=kernel_names(qt))
+    hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
+    return cp.RawModule(code=source(), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS,
+                        name_expressions=kernel_names(qt))
 
 
 @functools.cache
