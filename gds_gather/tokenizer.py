@@ -5,7 +5,9 @@ models: text.py's word-level mapping is used then). Supported `tokenizer.ggml.mo
 llama.cpp runs it (src/llama-vocab.cpp):
 
 - ``gpt2``: byte-level BPE (Qwen, qwen4exp, Llama 3, ...). The text is pre-tokenized with the regexes llama.cpp
-  keeps for `tokenizer.ggml.pre` (qwen2, qwen35, llama3/llama-bpe, gpt-2, default; see `_PRE`), each piece's
+  keeps for `tokenizer.ggml.pre` (qwen2, qwen35, llama3/llama-bpe, gpt-2, mpt, starcoder, refact, command-r,
+  falcon, default, ...; see `_PRE`: a name not there is refused with a TokenizerError naming the supported ones, as
+  llama.cpp refuses an unknown one; deepseek-coder/deepseek-llm are among the refused), each piece's
   UTF-8 bytes are mapped to the GPT-2 byte-to-unicode alphabet and merged by `tokenizer.ggml.merges` rank (lowest
   rank first, leftmost first on ties: llama.cpp's bigram queue). Results are cached per piece.
 - ``llama``: SentencePiece BPE (Gemma 3n, Llama 2, ...), llama.cpp's llm_tokenizer_spm: spaces become U+2581,
@@ -19,7 +21,12 @@ llama.cpp runs it (src/llama-vocab.cpp):
 
 No BOS/EOS is added (a prefill prompt is plain text) and control tokens are not parsed from the text (llama.cpp's
 parse_special=false); user-defined tokens (type 4) are matched as whole pieces first, longest first, as llama.cpp
-does. `decode(ids)` inverts `encode` (minus the `llama` space prefix).
+does. Token attributes follow llama.cpp's load, which re-marks tokens by their text (`GGUFTokenizer._llama_attrs`):
+end-of-generation texts such as phi-3's `</s>` or gemma-4's `<|tool_response>` become control even when the file
+says user-defined, so plain text never yields them. `safe_cut` tells where a text may be cut so that a stream
+encoded chunk by chunk (`encode(chunk, continued=True)`) gets the ids of one read (text.py's prompt files).
+Checked exactly against llama.cpp's test-tokenizer-0 vectors (tests/data/llama-vocab). `decode(ids)` inverts
+`encode` (minus the `llama` space prefix).
 
 Where this differs from llama.cpp, exactly:
 
@@ -45,20 +52,48 @@ import functools
 import heapq
 import re
 import unicodedata
-import warnings
 
 import numpy as np
+
+from .errors import GatherError
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
 # llama_token_type (GGUF tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# llama_token_attr bit flags (what llama.cpp works with after load); a type maps to one flag, 0 = undefined
+A_UNKNOWN, A_UNUSED, A_NORMAL, A_CONTROL, A_USER_DEFINED, A_BYTE = 1, 2, 4, 8, 16, 32
+_TYPE_ATTR = {UNKNOWN: A_UNKNOWN, UNUSED: A_UNUSED, NORMAL: A_NORMAL, CONTROL: A_CONTROL,
+              USER_DEFINED: A_USER_DEFINED, BYTE: A_BYTE}
+
+# Token texts llama.cpp's load (llama_vocab::impl::load, llama.cpp as vendored in llama-cpp-python 0.3.36) re-marks:
+# each FIM kind whose tokenizer.ggml.fim_*_token_id is absent: the token with one of these texts becomes control
+_FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+# end-of-generation texts: always control (this list holds every EOT/EOM text llama.cpp detects, too)
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~["))
+_ALWAYS_USER = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")    # gpt-oss: user-defined
+_DEFAULT_EOS = {"llama": 2, "gpt2": 11}       # llama.cpp's defaults when tokenizer.ggml.eos_token_id is absent
 
 SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")
 
 # llama.cpp unicode_set_whitespace (White_Space property), as a character-class body
 _WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                      + "".join(map(chr, range(0x2000, 0x200B))))
 
 # Pre-tokenizer regexes, verbatim from llama.cpp's llm_tokenizer_bpe (tokenizer.ggml.pre -> regex_exprs).
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -69,17 +104,24 @@ _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
-# tokenizer.ggml.pre -> (regexes, ignore_merges)
+_STARCODER = (r"\p{N}", _GPT2)
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+
+# tokenizer.ggml.pre -> (regexes, ignore_merges), as llama.cpp's load and llm_tokenizer_bpe map them. A name
+# not here is refused (TokenizerError), as llama.cpp refuses an unknown one; a missing name means "default".
 _PRE: dict[str, tuple[tuple[str, ...], bool]] = {
     "default": (_DEFAULT, False),
     **{k: ((_GPT2,), False) for k in ("gpt-2", "mpt", "olmo", "jais")},
     **{k: ((_QWEN2,), False) for k in ("qwen2", "stablelm2", "hunyuan")},
     "qwen35": ((_QWEN35,), False),
-    **{k: ((_LLAMA3,), True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")},
+    **{k: ((_LLAMA3,), True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
+    **{k: ((_LLAMA3,), False) for k in ("smaug-bpe", "dbrx")},       # llama3's regex without ignore_merges
+    **{k: (_STARCODER, False) for k in ("starcoder", "refact", "command-r")},
+    "falcon": (_FALCON, False),
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(GatherError, ValueError):
     """The file's tokenizer metadata is of a kind this module does not run, or is inconsistent."""
 
 
@@ -186,7 +228,11 @@ def _strings(reader, key: str) -> list[str] | None:
     f = reader.get_field(key)
     if f is None:
         return None
-    return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+    if len(f.types) != 2 or f.types[0] != 9 or f.types[1] != 8:     # GGUFValueType ARRAY of STRING
+        raise TokenizerError(f"{key} is not an array of strings")
+    # gds_gather's reader hands the items over as bytes (no per-item numpy views: 10^5 tokens)
+    raw = f.raw_strings() if hasattr(f, "raw_strings") else (bytes(f.parts[i]) for i in f.data)
+    return [b.decode("utf-8", errors="replace") for b in raw]
 
 
 def tokenizer_name(reader) -> str:
@@ -203,7 +249,7 @@ class GGUFTokenizer:
 
     def __init__(self, model: str, tokens: list[str], *, types=None, scores=None, merges=None,
                  bos_id: int | None = None, eos_id: int | None = None, unk_id: int | None = None,
-                 add_space_prefix: bool | None = None, pre: str | None = None):
+                 add_space_prefix: bool | None = None, pre: str | None = None, special: dict | None = None):
         if model not in SUPPORTED_MODELS:
             raise TokenizerError(f"tokenizer model {model!r} is not supported; supported: "
                                  f"{', '.join(SUPPORTED_MODELS)} (and files without a tokenizer)")
@@ -233,12 +279,12 @@ class GGUFTokenizer:
                 pos = m.find(" ", 1)
                 if pos > 0:
                     self.ranks.setdefault((m[:pos], m[pos + 1:]), r)      # first rank wins, as llama.cpp
+        self._joiners: frozenset[str] = frozenset()
         if model == "gpt2":
             key = pre if pre is not None else "default"
             if key not in _PRE:
-                warnings.warn(f"pre-tokenizer {pre!r} is not one this module knows "
-                              f"({', '.join(sorted(_PRE))}); using llama.cpp's default regexes", stacklevel=2)
-                key = "default"
+                raise TokenizerError(f"pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported; supported: "
+                                     f"{', '.join(sorted(_PRE))}")
             self.pre_used = key
             self._exprs, self.ignore_merges = _PRE[key]
             self._b2u = _bytes_to_unicode()
@@ -252,15 +298,66 @@ class GGUFTokenizer:
             joiners = {t[i - 1] for t in self.tokens if SPACE in t[1:]
                        for i in range(1, len(t)) if t[i] == SPACE and t[i - 1] != SPACE}
             self._cut = self._cut_re(joiners)
+            self._joiners = frozenset(joiners)
         else:   # gemma4
             self.add_space_prefix = False
             joiners = {a[-1] for a, b in self.ranks if b.startswith(SPACE) and a and a[-1] != SPACE}
             self._cut = self._cut_re(joiners)
+            self._joiners = frozenset(joiners)
 
         self._byte_ids = [self._byte_id(b) for b in range(256)]
-        # user-defined tokens are matched as whole pieces of the text first, longest first (llama.cpp)
-        self._user = sorted(((t, i) for i, t in enumerate(self.tokens) if self.types[i] == USER_DEFINED),
-                            key=lambda x: (-len(x[0].encode()), x[1]))
+        special = dict(special or {})
+        if special.get("eos") is None:
+            special["eos"] = eos_id if eos_id is not None else _DEFAULT_EOS.get(model)
+        self.attrs = self._llama_attrs(special)
+        # user-defined tokens are matched as whole pieces of the text first, longest first (llama.cpp); a token
+        # llama.cpp re-marks as control is not (parse_special=false)
+        matched = [i for i in range(n) if self.attrs[i] & A_USER_DEFINED
+                   and not self.attrs[i] & (A_CONTROL | A_UNKNOWN)]
+        self._user = sorted(((self.tokens[i], i) for i in matched), key=lambda x: (-len(x[0].encode()), x[1]))
+        self._user_maxlen = max((len(t) for t, _ in self._user), default=0)
+
+    def _llama_attrs(self, special: dict) -> list[int]:
+        """Token attribute flags after llama.cpp's load: the file's types, then its re-marking by text.
+
+        llama.cpp makes control: each FIM kind's token found by text when the file names no id for that kind
+        (_FIM_TEXTS; if several texts of one kind are present llama.cpp marks one of them in hash-map order, here
+        all of them), and every end-of-generation text (_EOG_TEXTS). Then the gpt-oss texts become user-defined;
+        '<|end|>' becomes user-defined when '<|return|>' and '<|call|>' (or '<|calls|>' and '<|flush|>') are
+        end-of-generation too; and '</s>' becomes normal when '<|tool_response>' or '<|plamo:eos|>' is
+        end-of-generation (gemma4, plamo). The end-of-generation set also holds the FIM pad/repo/sep ids and the
+        EOS (`special['eos']`, default llama.cpp's per-model one), EOT and EOM ids.
+        """
+        n = len(self.tokens)
+        attrs = [_TYPE_ATTR.get(int(t), 0) for t in self.types[:n]]
+        ids = self.ids
+        valid = {k: int(v) for k, v in special.items() if v is not None and 0 <= int(v) < n}
+        eog: set[int] = set()
+        for kind, texts in _FIM_TEXTS.items():
+            found = valid.get(kind)
+            if found is None:
+                for text in texts:
+                    if text in ids:
+                        attrs[ids[text]] |= A_CONTROL
+                        found = ids[text]
+            if found is not None and kind in ("fim_pad", "fim_rep", "fim_sep"):
+                eog.add(found)
+        for text in _EOG_TEXTS:
+            if text in ids:
+                eog.add(ids[text])
+                attrs[ids[text]] |= A_CONTROL
+        for text in _ALWAYS_USER:
+            if text in ids:
+                attrs[ids[text]] = A_USER_DEFINED
+        eog.update(valid[k] for k in ("eos", "eot", "eom") if k in valid)
+        texts = {self.tokens[i]: i for i in sorted(eog)}
+        has_call = "<|call|>" in texts or "<|calls|>" in texts
+        if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
+            attrs[texts["<|end|>"]] = A_USER_DEFINED
+            eog.discard(texts["<|end|>"])
+        if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+            attrs[texts["</s>"]] = A_NORMAL
+        return attrs
 
     @classmethod
     def from_reader(cls, reader) -> "GGUFTokenizer | None":
@@ -282,7 +379,11 @@ class GGUFTokenizer:
                    eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
                    unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
                    add_space_prefix=_field(reader, "tokenizer.ggml.add_space_prefix"),
-                   pre=_field(reader, "tokenizer.ggml.pre"))
+                   pre=_field(reader, "tokenizer.ggml.pre"),
+                   special={k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom", *_FIM_TEXTS)}
+                   | {k: _field(reader, f"tokenizer.ggml.{old}_token_id")     # deprecated names llama.cpp reads
+                      for k, old in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
+                      if _field(reader, f"tokenizer.ggml.{k}_token_id") is None})
 
     @property
     def n_vocab(self) -> int:
@@ -292,10 +393,12 @@ class GGUFTokenizer:
         return f"GGUFTokenizer({self.model!r}, {self.n_vocab} tokens)"
 
     # -- encoding ---------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids (int64) of `text`: no BOS/EOS, no control tokens parsed."""
+    def encode(self, text: str, continued: bool = False) -> np.ndarray:
+        """Token ids (int64) of `text`: no BOS/EOS, no control tokens parsed.
+
+        continued=True: `text` continues text already encoded, cut where safe_cut allowed (no space prefix)."""
         out: list[int] = []
-        prev_special = True      # llama.cpp: a space prefix goes before the first fragment and after a token
+        prev_special = not continued   # llama.cpp: a space prefix goes before the first fragment and after a token
         for frag in self._partition(text):
             if isinstance(frag, int):
                 out.append(frag)
@@ -315,6 +418,46 @@ class GGUFTokenizer:
                         self._encode_pieces(run, out)
             prev_special = False
         return np.array(out, dtype=np.int64)
+
+    def safe_cut(self, text: str, lo: int = 0) -> int:
+        """The last k (0 if none) where `text` may be cut: encode(text[:k]) + encode(rest, continued=True) equals
+        encode(text + rest) for ANY rest, so a stream can be encoded chunk by chunk with the ids of one read.
+
+        A cut goes before a space (text[k] == " ") whose predecessor X is not whitespace, with no user-defined token
+        occurrence touching text[k-1:k+1]. No pre-tokenizer regex match spans "X ": after a non-space, every
+        alternative continues only with letters, digits, marks, non-space symbols or [\\r\\n], and whitespace
+        runs hold no X. For llama and gemma4, X must also be no "joiner" (no token/merge holds "X\u2581"), the
+        condition `_cut` already uses. Candidates are looked for in [lo - margin, len(text) - margin), the margin
+        being the longest user-defined token: what follows a cut must be known.
+        """
+        margin = self._user_maxlen + 1
+        hi = len(text) - margin
+        k = hi
+        floor = max(lo - margin - 1, 1)
+        while True:
+            k = text.rfind(" ", floor, k + 1) if k >= floor else -1
+            if k < floor:
+                return 0
+            x = text[k - 1]
+            if not (x in _WS_CHARS or x == SPACE or x in self._joiners) and not self._user_touches(text, k):
+                return k
+            k -= 1
+
+    def _user_touches(self, text: str, k: int) -> bool:
+        """True when an occurrence of a user-defined token in `text` covers position k-1 or k."""
+        if not self._user:
+            return False
+        m = self._user_maxlen
+        lo = max(k - m, 0)
+        window = text[lo:k + m + 1]
+        for tok, _ in self._user:
+            start = window.find(tok)
+            while start >= 0:
+                s = lo + start
+                if s <= k and s + len(tok) > k - 1:
+                    return True
+                start = window.find(tok, start + 1)
+        return False
 
     def _partition(self, text: str) -> list:
         """The text cut around user-defined tokens: str fragments and int token ids."""
@@ -399,11 +542,11 @@ class GGUFTokenizer:
         for i in np.asarray(ids, dtype=np.int64).ravel().tolist():
             if not 0 <= i < len(self.tokens):
                 raise ValueError(f"token id {i} is out of range [0, {len(self.tokens)})")
-            t, ty = self.tokens[i], self.types[i]
-            if ty == CONTROL:
+            t, ty, attr = self.tokens[i], self.types[i], self.attrs[i]
+            if attr & A_CONTROL:
                 continue
             if self.model == "gpt2":
-                if ty == USER_DEFINED:
+                if attr & A_USER_DEFINED:
                     buf += t.encode()
                 else:
                     u2b = self._u2b

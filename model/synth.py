@@ -8,8 +8,8 @@ never held in memory. Content is deterministic: chunk i of `chunk_rows` rows com
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from gds_gather import quants
 from gds_gather.errors import UnsupportedTypeError
+from gds_gather.safe_write import atomic_output, check_free_space, check_output
 
 from .presets import Preset, get_preset
 from .qwen4exp import Qwen4expHParams
@@ -29,6 +30,8 @@ Q = GGMLQuantizationType
 
 TABLE_NAME = "per_layer_token_embd.weight"
 CHUNK_BYTES = 64 << 20          # bytes of table written per chunk
+MAX_ROWS = 1 << 31              # ggml_get_rows takes int32 row ids: a larger table is not addressable
+_HEADER_ALLOWANCE = 1 << 20     # bytes allowed per file for the header, metadata and padding
 CHUNK_ELEMS = 4 << 20           # floats per chunk on the quantize path (gguf makes several float temporaries)
 
 # Byte offsets of the fp16 scale fields (`d`, plus `dmin`/`m` where present) in one block,
@@ -245,8 +248,10 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
     chunk_rows : rows generated and written per chunk (default ~64 MiB worth).
     alignment : general.alignment.
 
-    Every file is written to ``<name>.tmp`` and renamed at the end, so an interrupted run
-    leaves no partial model behind.
+    Every file is written to a temporary file beside it and renamed over it at the end
+    (gds_gather.safe_write.atomic_output), so an interrupted run leaves no partial model behind
+    and a symlink, FIFO, directory or device node at the path is refused, never replaced. The
+    bytes it will write are checked against the free space first.
     """
     preset = get_preset(preset)
     qt = quants.check_supported(preset.qtype if qtype is None else qtype)
@@ -259,11 +264,18 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
     if split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
 
+    if rows > MAX_ROWS:
+        raise ValueError(f"rows must be at most {MAX_ROWS:,} (llama.cpp's get_rows indexes rows with int32), "
+                         f"got {rows:,}")
+
     finals = [Path(path)] if split == 1 else shard_paths(path, split)
-    temps = [p.with_name(p.name + ".tmp") for p in finals]
+    for final in finals:
+        check_output(final)
+    check_free_space(finals[-1], quants.row_bytes(qt, width) * rows + _HEADER_ALLOWANCE * split)
     model_kv = _model_kv(preset, rows)
     rng = np.random.default_rng([seed, 1 << 32])   # dummy tensors: a stream no table chunk uses
-    try:
+    with contextlib.ExitStack() as stack:
+        temps = [stack.enter_context(atomic_output(final)) for final in finals]
         for i, tmp in enumerate(temps):
             w = _new_writer(tmp, preset.arch, alignment, first=(i == 0))
             if i == 0:
@@ -281,10 +293,4 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
             else:
                 desc = finals[i].name
                 _write_table(w, qt, width, rows, seed, chunk_rows, progress, desc)
-        for tmp, final in zip(temps, finals):
-            os.replace(tmp, final)
-    except BaseException:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
-        raise
     return finals[0]

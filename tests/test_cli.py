@@ -98,3 +98,47 @@ def test_prompt_file_and_bad_prompt(tmp_path):
     (tmp_path / "blank.txt").write_text("   \n")
     with pytest.raises(ValueError, match="no words"):
         prompt_tokens(1000, (), tmp_path / "blank.txt")
+
+
+def test_prompt_reads_only_what_it_needs(tmp_path, monkeypatch):
+    """--prompt streams the file: 1,000 tokens of a 1.6 MB file read about one 64 KiB chunk, with the ids of a full
+    read; undecodable bytes become U+FFFD, a character split across chunks is decoded whole."""
+    import gds_gather.text as text_mod
+    from gds_gather.text import prompt_tokens, word_ids
+    rng = np.random.default_rng(1)
+    words = np.array(["the", "cat", "sat", "on", "a", "mat", "naïve", "café", "日本", ",", "."])
+    full = " ".join(words[rng.integers(0, words.size, 400_000)]) + "\n"
+    p = tmp_path / "big.txt"
+    p.write_text(full, encoding="utf-8")
+    assert p.stat().st_size > 1.5e6
+    read = []
+    real_open = text_mod.open_prompt
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n):
+            b = self.f.read(n)
+            read.append(len(b))
+            return b
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(text_mod, "open_prompt", lambda path: Counting(real_open(path)))
+    ids = prompt_tokens(1000, (), p, n_tokens=1000)
+    assert np.array_equal(ids, word_ids(full, 1000)[:1000])
+    assert sum(read) <= 2 * text_mod.CHUNK_BYTES, sum(read)
+    read.clear()
+    monkeypatch.setattr(text_mod, "CHUNK_BYTES", 3)       # splits the UTF-8 of ï, é, 日, 本
+    small = tmp_path / "small.txt"
+    small.write_bytes("naïve café 日本 ok ".encode() * 50 + b"bad \xe9\xff byte")
+    want = word_ids("naïve café 日本 ok " * 50 + "bad \ufffd\ufffd byte", 1000)
+    assert np.array_equal(prompt_tokens(1000, (), small), want)
+    monkeypatch.setattr(text_mod, "MAX_PROMPT_BYTES", 100)   # the cap: only the first 100 bytes are the prompt
+    head = small.read_bytes()[:100].decode("utf-8", errors="replace")
+    assert np.array_equal(prompt_tokens(1000, (), small), word_ids(head, 1000))

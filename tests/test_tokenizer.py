@@ -5,13 +5,16 @@ merges by lowest rank, SentencePiece merges by highest score, leftmost first on 
 """
 from __future__ import annotations
 
+import lzma
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from gds_gather.errors import GatherError
 from gds_gather.gguf_file import read_gguf
 from gds_gather.text import default_text, prompt_tokens
 from gds_gather.tokenizer import (
@@ -145,10 +148,11 @@ def test_pre_tokenizers(tmp_path):
     llama3 = load(write_tokenizer_gguf(tmp_path / "l3.gguf", "gpt2", toks, merges=["1 2"], pre="llama-bpe"))
     # \p{N}{1,3}: digits in threes; ignore_merges does not matter here (no multi-byte tokens)
     assert llama3.encode("12345").tolist() == [49, 50, 51, 52, 53] and llama3.ignore_merges
-    with pytest.warns(UserWarning, match="not one this module knows"):
-        odd = load(write_tokenizer_gguf(tmp_path / "odd.gguf", "gpt2", toks, merges=["1 2"],
-                                       pre="no-such-pre"))
-    assert odd.pre_used == "default" and odd.decode(odd.encode("a, b!")) == "a, b!"
+    # llama.cpp stops on a pre-tokenizer it does not know; so does this module, naming the supported ones
+    for name in ("no-such-pre", "deepseek-coder", "deepseek-llm", "tekken"):
+        with pytest.raises(TokenizerError, match=f"'{name}' is not supported; supported: .*falcon.*qwen35"):
+            load(write_tokenizer_gguf(tmp_path / "odd.gguf", "gpt2", toks, merges=["1 2"], pre=name))
+    assert not issubclass(TokenizerError, UserWarning) and issubclass(TokenizerError, GatherError)
     missing = load(write_tokenizer_gguf(tmp_path / "np.gguf", "gpt2", toks, merges=["1 2"]))
     assert missing.pre_used == "default"
 
@@ -406,3 +410,111 @@ def test_prefill_uses_the_models_tokenizer(tmp_path, ggufs, gpt2):
     res = run_prefill(plain, prompt=prompt, log=lines.append, **kw)
     assert res["tokenizer"] == "word-level" and any("tokenizer word-level" in line for line in lines)
     assert res["tokens"] != want.size        # the word-level mapping: a different stream
+
+
+# ---- llama.cpp's own vectors (tests/data/llama-vocab: test-tokenizer-0's .inp/.out, MIT) ---------------------------
+VOCAB_DIR = Path(__file__).parent / "data" / "llama-vocab"
+VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "mpt", "llama-spm", "phi-3", "gemma-4",
+          "starcoder", "refact", "falcon", "command-r")
+
+
+@pytest.fixture(scope="module")
+def llama_vocab(tmp_path_factory):
+    """name -> GGUFTokenizer of llama.cpp's vocabulary file (decompressed once per module)."""
+    cache: dict = {}
+
+    def get(name):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("vocab") / f"ggml-vocab-{name}.gguf"
+            path.write_bytes(lzma.decompress((VOCAB_DIR / f"ggml-vocab-{name}.gguf.xz").read_bytes()))
+            cache[name] = load(path)
+        return cache[name]
+    return get
+
+
+def vocab_cases(name):
+    """(text, ids) pairs as llama.cpp's test-tokenizer-0 reads them: texts split on the separator line, one .out
+    line of ids per text (a last text without a trailing separator counts when the .out has its line)."""
+    texts = (VOCAB_DIR / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = (VOCAB_DIR / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if texts[-1] == "" or len(lines) < len(texts):
+        texts.pop()
+    assert len(lines) == len(texts) >= 40, (name, len(lines), len(texts))
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
+def test_vocab_files_are_all_here():
+    assert sorted(p.name for p in VOCAB_DIR.glob("*.xz")) == sorted(f"ggml-vocab-{v}.gguf.xz" for v in VOCABS)
+    assert (VOCAB_DIR / "LICENSE").read_text().startswith("MIT License")
+    assert sum(p.stat().st_size for p in VOCAB_DIR.iterdir()) < 25e6
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_llama_cpp_vectors(llama_vocab, name):
+    tok = llama_vocab(name)
+    cases = vocab_cases(name)
+    bad = [(text, tok.encode(text).tolist(), want) for text, want in cases if tok.encode(text).tolist() != want]
+    assert not bad, f"{name}: {len(bad)} of {len(cases)} differ from llama.cpp, first: {bad[0]}"
+
+
+def test_control_looking_tokens_follow_llama_cpp(llama_vocab):
+    """llama.cpp re-marks end-of-generation texts as control at load, so plain text never yields them."""
+    phi3 = llama_vocab("phi-3")
+    s = phi3.ids["</s>"]
+    assert phi3.types[s] == USER_DEFINED and phi3.attrs[s] & 8      # user-defined in the file, control after load
+    ids = phi3.encode("x</s>y").tolist()
+    assert s not in ids and phi3.decode(ids) == "x</s>y"
+    g4 = llama_vocab("gemma-4")
+    tr = g4.ids["<|tool_response>"]
+    assert g4.types[tr] == USER_DEFINED
+    ids = g4.encode("a<|tool_response>b").tolist()
+    assert tr not in ids and g4.decode(ids) == "a<|tool_response>b"
+    # other user-defined tokens are still whole pieces
+    assert g4.encode("<tool_response|>").tolist() == [g4.ids["<tool_response|>"]]
+
+
+def test_llama_attrs_rules():
+    extra = ["<|fim_prefix|>", "<|end|>", "<|return|>", "<|call|>", "<|channel|>", "</s>", "<|tool_response>", "hi"]
+    types = [NORMAL] * 256 + [USER_DEFINED] * 7 + [NORMAL]
+    tok = GGUFTokenizer("gpt2", list(B2U) + extra, merges=["h i"], types=types)
+    a = {t: tok.attrs[tok.ids[t]] for t in extra}
+    assert a["<|fim_prefix|>"] == 16 | 8                    # FIM text, no fim id in the file: control
+    assert a["<|end|>"] == 16 and a["<|channel|>"] == 16    # o200k_harmony's <|end|>, gpt-oss's channel: user-defined
+    assert a["<|return|>"] == a["<|call|>"] == 16 | 8 and a["<|tool_response>"] == 16 | 8
+    assert a["</s>"] == 4                                   # normal when <|tool_response> ends generation
+    assert tok.encode("<|end|><|call|>").tolist() == [256 + 1, *tok.encode("<|call|>").tolist()]
+    named = GGUFTokenizer("gpt2", list(B2U) + extra, merges=["h i"], types=types, special={"fim_pre": 5})
+    assert named.attrs[named.ids["<|fim_prefix|>"]] == 16   # the file names its FIM id: no re-marking by text
+    assert named.encode("<|fim_prefix|>").tolist() == [named.ids["<|fim_prefix|>"]]
+
+
+# ---- streaming: a prompt read chunk by chunk gives the ids of one read --------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "llama-spm", "phi-3", "gemma-4", "falcon"])
+def test_streamed_prompt_equals_one_read(llama_vocab, name, tmp_path, monkeypatch):
+    import gds_gather.text as text_mod
+    tok = llama_vocab(name)
+    text = "".join(t + "\n" for t, _ in vocab_cases(name)) * 2 + "<|tool_response> x</s> <tool_response|> end"
+    p = tmp_path / "p.txt"
+    p.write_text(text, encoding="utf-8")
+    want = tok.encode(text)
+    for chunk in (7, 61, 4096):
+        monkeypatch.setattr(text_mod, "CHUNK_BYTES", chunk)
+        got = prompt_tokens(0, (), p, tokenizer=tok)
+        assert got.tolist() == want.tolist(), chunk
+        n = want.size // 3
+        assert prompt_tokens(0, (), p, n_tokens=n, tokenizer=tok).tolist() == want[:n].tolist()
+
+
+def test_safe_cut_with_user_tokens(gpt2, spm, gemma4):
+    rng = random.Random(11)
+    for tok in (gpt2, spm, gemma4):
+        for _ in range(300):
+            text = "".join(rng.choice(["a", " ", "the", "<think>", " <think>", "\n", "é", "!", "  ", "x "])
+                           for _ in range(rng.randint(0, 30)))
+            k = tok.safe_cut(text)
+            if k:
+                assert text[k] == " "
+                joined = tok.encode(text[:k]).tolist() + tok.encode(text[k:], continued=True).tolist()
+                assert joined == tok.encode(text).tolist(), (tok.model, text, k)
