@@ -4,7 +4,9 @@ The host reads a ubatch's rows into pinned staging while the GPU computes the pr
 graph starts with a stream wait-value node on a pinned int32 flag (cuStreamWaitValue32), so each replay blocks
 on the GPU until the host writes 1, then copies, dequantizes and computes, and re-arms the flag to 0 with a
 write-value node. No host callback and no cuFile call is inside the graph (measured-facts.md: both capture and
-replay under torch.cuda.graph through the versioned `_v2` driver symbols).
+replay under torch.cuda.graph through the versioned `_v2` driver symbols). CUDA only: on ROCm the prefill runs
+eagerly and never builds HostFlags (see pipeline.GpuPrefill). The order of host writes, replays and the release on
+errors is gds_gather.schedule's.
 """
 from __future__ import annotations
 
