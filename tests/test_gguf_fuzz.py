@@ -130,13 +130,13 @@ def _structure(path) -> dict:
         roles["dims"] += [pos(dims) + 8 * j for j in range(len(dims))]
         roles["ttype"].append(pos(ttype))
         roles["toffset"].append(pos(toff))
-    bounds = sorted({0, 4, 8, 16, 24, r.data_offset, os.path.getsize(path)}
+    bounds = sorted({0, 4, 8, 16, 24, int(r.data_offset), os.path.getsize(path)}
                     | {p for k in ("strlen", "count", "vtype", "itype", "name_len", "n_dims", "dims", "ttype",
                                    "toffset") for p in roles[k]}
                     | {p for k in ("strdata", "value", "name") for p, _ in roles[k]}
                     | {p + n for k in ("strdata", "value", "name") for p, n in roles[k]}
                     | {t.data_offset for t in r.tensors} | {t.data_offset + t.n_bytes for t in r.tensors})
-    return {"roles": roles, "bounds": bounds, "data_offset": r.data_offset,
+    return {"roles": roles, "bounds": [int(x) for x in bounds], "data_offset": r.data_offset,
             "kv": [(f.parts[2].ctypes.data - base, f.parts[-1].ctypes.data - base + int(f.parts[-1].nbytes))
                    for k, f in r.fields.items() if not k.startswith("GGUF.")]}
 
@@ -247,9 +247,12 @@ def check_case(path) -> str:
             rt = next(x for x in ref.tensors if x.name == PLE)
             assert (rt.data_offset, int(rt.tensor_type), [int(d) for d in rt.shape]) == \
                 (t.data_offset, int(t.qtype), [t.row_elems, t.n_rows]), "gguf's reader disagrees on the table"
-        for key in list(t.reader.fields):
+            assert [(x.name, int(x.tensor_type), tuple(int(d) for d in x.shape), x.data_offset) for x in ref.tensors] \
+                == [i[:4] for i in t.reader.tensor_infos], "gguf's reader disagrees on the tensors"
+        for key, f in t.reader.fields.items():
             try:
                 t.field(key)
+                [bytes(f.parts[i]) for i in list(f.data)[:3]]      # gguf.ReaderField's layout, as tokenizer.py reads
             except gg.GatherError:
                 pass
         try:
@@ -357,6 +360,14 @@ def test_bases_open_exactly(bases, tmp_path):
             assert t.field("general.tags") == ["a", "bc", "", "d\u00e9f"]
             assert t.field("general.name") == "fuzz base \u00e9"
             assert t.field("qwen4exp.ple.head_offsets") == [0, 7, 9]
+            ref = GGUFReader(str(p))
+            assert list(t.reader.fields) == [k for k in ref.fields if not k.startswith("GGUF.")]
+            for key, f in t.reader.fields.items():
+                rf = ref.fields[key]
+                assert f.types[:2] == rf.types[:2]
+                if key != "general.pairs":       # gguf flattens nested arrays
+                    assert t.field(key) == rf.contents(), key
+                    assert [bytes(f.parts[i]) for i in f.data] == [bytes(rf.parts[i]) for i in rf.data], key
             if t.reader.get_field("general.pairs") is not None:
                 assert t.field("general.pairs") == [[1, 2], [3]]
             tok = GGUFTokenizer.from_reader(t.reader)
