@@ -1,0 +1,441 @@
+"""Hugging Face transformers models (Gemma 4, Gemma 3n) with the per-layer embedding table on disk.
+
+transformers keeps the PLE table as ``embed_tokens_per_layer``: a scaled ``nn.Embedding`` of
+``[vocab_size_per_layer_input, num_hidden_layers * hidden_size_per_layer_input]`` whose forward is
+``embedding(ids) * embed_scale.to(weight.dtype)``. ``offload_per_layer_embeddings`` swaps it (through the model's
+``set_per_layer_input_embeddings``) for ``DiskEmbedding``, which gathers the rows from a table file with
+gds_gather and applies the same scale the same way, then frees the original weight:
+
+    model = AutoModelForCausalLM.from_pretrained("google/gemma-3n-E2B-it")       # or a local directory
+    with offload_per_layer_embeddings(model, "google-gemma-3n-E2B-it/") as h:    # the checkpoint, or a GGUF
+        out = model.generate(**inputs)
+        print(h.bytes_freed, h.rows_read, h.backend, h.why)
+
+Token ids on the CPU take the host path (planned, deduplicated reads, exact CPU dequantization); CUDA ids the
+GPU path (rows read into GPU memory, dequantized by the CUDA kernel). The output is in the weight dtype on the ids'
+device and equals (torch.equal) the original module's whenever the table holds the model's rows exactly: the
+checkpoint's own safetensors, or a GGUF written by ``gds-gather convert`` without quantization. A quantized
+table is refused unless ``allow_quantized=True``; the handle then reports its measured error on a sample.
+
+Not supported: saving the offloaded model (its state dict lacks the table), autograd through the table,
+torch.compile / CUDA graph capture of the forward (the plan is made on the host, which synchronizes).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .backends import resolve, resolve_device
+from .config import Config
+from .errors import BadIdsError, ModelMismatchError
+from .quants import Q
+from .table import Table, open_table
+
+log = logging.getLogger(__name__)
+
+# table types whose rows become the weight dtype exactly (F32: transformers' own load-time cast, round to nearest)
+EXACT_TYPES = {torch.float32: (Q.F32,), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
+
+
+def per_layer_embedding(model):
+    """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one."""
+    get = getattr(model, "get_per_layer_input_embeddings", None)
+    module = None
+    if callable(get):
+        try:
+            module = get()
+        except (AttributeError, NotImplementedError):
+            module = None
+    name = type(model).__name__
+    if module is None:
+        raise ModelMismatchError(f"{name} has no per-layer embeddings (embed_tokens_per_layer): only Gemma 4 "
+                                 f"E2B/E4B and Gemma 3n models carry a PLE table")
+    if isinstance(module, DiskEmbedding):
+        raise ModelMismatchError(f"{name}'s per-layer embeddings are already on disk ({module.table.path})")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return module, cfg
+
+
+class DiskEmbedding(torch.nn.Module):
+    """A drop-in for transformers' scaled per-layer embedding: rows from a gds_gather Table, same forward.
+
+    forward(ids) = rows(ids) in the weight dtype * embed_scale.to(weight dtype), on the ids' device.
+    """
+
+    def __init__(self, table: Table, num_embeddings: int, embedding_dim: int, weight_dtype: torch.dtype,
+                 embed_scale: torch.Tensor, padding_idx=None, backend: str = "auto"):
+        super().__init__()
+        self.table = table
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.weight_dtype = weight_dtype
+        self.padding_idx = padding_idx
+        self.backend = backend
+        self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
+        self.row_ids = 0          # ids looked up (cumulative)
+        self.rows_read = 0        # unique rows read after per-call deduplication (cumulative)
+        self.device_backend = None    # (backend, mode, why) after the first CUDA call
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return (f"{self.num_embeddings}, {self.embedding_dim}, table={str(t.path)!r} ({t.qtype.name}), "
+                f"dtype={self.weight_dtype}, backend={self.backend}")
+
+    def _plan(self, ids_np: np.ndarray):
+        if ids_np.size and self.table.n_rows != self.num_embeddings:   # a padded table: refuse ids past the vocab
+            lo, hi = int(ids_np.min()), int(ids_np.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
+        plan = self.table.plan(ids_np)
+        self.row_ids += plan.n_ids
+        self.rows_read += plan.n_unique
+        return plan
+
+    def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The unscaled rows in the weight dtype, shape ids.shape + (embedding_dim,), on the ids' device."""
+        if input_ids.device.type == "cuda":
+            return self._rows_cuda(input_ids)
+        plan = self._plan(input_ids.detach().cpu().numpy())
+        out = torch.from_numpy(self.table.gather_plan(plan, self.backend))
+        return out.to(self.weight_dtype).to(input_ids.device)
+
+    def _rows_cuda(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from . import dequant_gpu
+        t = self.table
+        with torch.cuda.device(input_ids.device):
+            stream = torch.cuda.current_stream(input_ids.device)
+            plan = self._plan(input_ids.detach().cpu().numpy())       # planned on the host: one copy down
+            if plan.n_ids == 0:
+                return torch.empty(tuple(input_ids.shape) + (self.embedding_dim,), dtype=self.weight_dtype,
+                                   device=input_ids.device)
+            if self.device_backend is None:
+                self.device_backend = resolve_device(self.backend, t.config, window_bytes=t._typical_window(),
+                                                     gds_faster=t._gds_faster)
+            staging, offs = t.fetch_device(plan, self.backend, stream)
+            inv = torch.as_tensor(plan.inverse.reshape(plan.shape), device=input_ids.device)
+            return dequant_gpu.gather_rows(staging, offs, inv, t.qtype, t.row_elems,
+                                           dtype=str(self.weight_dtype).replace("torch.", ""), stream=stream)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(input_ids) * self.embed_scale.to(self.weight_dtype)
+
+
+class OffloadHandle:
+    """What offload_per_layer_embeddings did: bytes_freed, rows_read, row_ids, backend, why, the table.
+
+    close() closes the table (the model can no longer compute its per-layer inputs). With keep_original=True the
+    original module is kept: use("resident" | "offloaded") swaps between the two (for A/B timing) and release()
+    frees it.
+    """
+
+    def __init__(self, model, module: DiskEmbedding, original, setter, weight_bytes: int, verified: int,
+                 max_abs_error: float, rms_error: float):
+        self.model = model
+        self.module = module
+        self.table = module.table
+        self._setter = setter
+        self._original = original
+        self.weight_bytes = weight_bytes
+        self.bytes_freed = 0
+        self.verified_rows = verified
+        self.max_abs_error = max_abs_error
+        self.rms_error = rms_error
+        self.backend, self.why = resolve(module.backend, self.table.config)
+
+    @property
+    def rows_read(self) -> int:
+        return self.module.rows_read
+
+    @property
+    def row_ids(self) -> int:
+        return self.module.row_ids
+
+    @property
+    def bytes_read(self) -> int:
+        return self.module.rows_read * self.table.row_bytes
+
+    @property
+    def exact(self) -> bool:
+        return self.max_abs_error == 0.0
+
+    def use(self, which: str) -> None:
+        if which not in ("resident", "offloaded"):
+            raise ValueError(f"use('resident') or use('offloaded'), got {which!r}")
+        if which == "resident" and self._original is None:
+            raise ValueError("the original per-layer embedding was released")
+        self._setter(self._original if which == "resident" else self.module)
+
+    def release(self) -> int:
+        """Put the disk-backed module in place and free the original weight; returns the bytes freed."""
+        self._setter(self.module)
+        if self._original is not None:
+            self.bytes_freed = _free_weight(self.model, self._original)
+            self._original = None
+        return self.bytes_freed
+
+    def stats(self) -> dict:
+        d = self.device_backend
+        return {"table": str(self.table.path), "tensor": self.table.name, "qtype": self.table.qtype.name,
+                "row_bytes": self.table.row_bytes, "bytes_freed": self.bytes_freed, "row_ids": self.row_ids,
+                "rows_read": self.rows_read, "bytes_read": self.bytes_read, "backend": self.backend, "why": self.why,
+                "device_backend": None if d is None else f"{d[0]}@{d[1]}", "device_why": None if d is None else d[2],
+                "verified_rows": self.verified_rows, "max_abs_error": self.max_abs_error, "rms_error": self.rms_error}
+
+    @property
+    def device_backend(self):
+        return self.module.device_backend
+
+    def close(self) -> None:
+        self.table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"OffloadHandle({str(self.table.path)!r}, {self.table.qtype.name}, freed={self.bytes_freed}, "
+                f"rows_read={self.rows_read}, backend={self.backend})")
+
+
+def _free_weight(model, module) -> int:
+    """Drop the module's weight storage unless another parameter of the model shares it; returns bytes freed."""
+    w = module.weight
+    if w.device.type == "meta":
+        return 0
+    n = w.numel() * w.element_size()
+    ptr = w.untyped_storage().data_ptr()
+    if any(p.device == w.device and p.untyped_storage().data_ptr() == ptr for p in model.parameters()):
+        log.warning("per-layer embedding weight is shared with another parameter: not freed")
+        return 0
+    w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+    return n
+
+
+def _check_fit(table: Table, module, cfg, weight_dtype, allow_quantized: bool) -> None:
+    n_layer, per_layer = int(cfg.num_hidden_layers), int(cfg.hidden_size_per_layer_input)
+    vocab = int(getattr(cfg, "vocab_size_per_layer_input", module.num_embeddings))
+    width = n_layer * per_layer
+    if module.num_embeddings != vocab or module.embedding_dim != width:
+        raise ModelMismatchError(f"the model's per-layer embedding is [{module.num_embeddings}, "
+                                 f"{module.embedding_dim}], its config says [{vocab}, {n_layer} x {per_layer}]")
+    if table.row_elems != width:
+        raise ModelMismatchError(f"{table.path}: rows of {table.row_elems} elements, but the model needs "
+                                 f"num_hidden_layers x hidden_size_per_layer_input = {n_layer} x {per_layer} = {width}")
+    padded = table.n_rows > vocab and table.arch == "gemma3n"   # llama.cpp pads Gemma 3n's table to 262,400 rows
+    if table.n_rows != vocab and not padded:
+        raise ModelMismatchError(f"{table.path}: {table.n_rows:,} rows, but the model's vocab_size_per_layer_input "
+                                 f"is {vocab:,}: a table of another model")
+    if table.qtype not in EXACT_TYPES.get(weight_dtype, ()) and not allow_quantized:
+        raise ModelMismatchError(f"{table.path}: a {table.qtype.name} table cannot give the model's {weight_dtype} "
+                                 f"rows exactly; pass allow_quantized=True to accept its error (or convert the "
+                                 f"checkpoint without --qtype)")
+
+
+def _verify(table: Table, weight, weight_dtype, n: int, allow_quantized: bool) -> tuple[int, float, float]:
+    """Compare n sampled table rows (first, last, random) with the resident weight: (rows, max |err|, RMS err)."""
+    if n <= 0 or weight.device.type == "meta":
+        return 0, float("nan"), float("nan")
+    vocab = weight.shape[0]
+    ids = np.unique(np.concatenate([[0, vocab - 1], np.random.default_rng(0).integers(0, vocab, max(n - 2, 0))]))
+    got = torch.from_numpy(table.gather(ids)).to(weight_dtype)
+    want = weight.detach()[torch.from_numpy(ids).to(weight.device)].cpu()
+    diff = (got.double() - want.double()).abs()
+    max_err = float(diff.max()) if diff.numel() else 0.0
+    rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
+    if not torch.equal(got, want) and not allow_quantized:
+        bad = int(ids[int(diff.amax(dim=1).argmax())])
+        raise ModelMismatchError(f"{table.path}: sampled rows differ from the model's weights (row {bad}: max |diff| "
+                                 f"{max_err:.3g}): not this model's table, or a lossy one (allow_quantized=True)")
+    return len(ids), max_err, rms
+
+
+def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, tensor: str | None = None,
+                                 allow_quantized: bool = False, verify_rows: int = 64, keep_original: bool = False,
+                                 config: Config | None = None) -> OffloadHandle:
+    """Swap the model's per-layer embedding for a disk-backed one and free the table's memory.
+
+    source: a GGUF file (e.g. from ``gds-gather convert``), a Hugging Face model directory, a
+        model.safetensors(.index.json) file, or an open Table; None uses the directory the model was loaded from.
+    backend: the gds_gather backend ("auto": direct reads; see gds_gather.backends()).
+    tensor: the table's name in the file (default: found by name: per_layer_token_embd.weight in a GGUF,
+        *embed_tokens_per_layer.weight in safetensors).
+    allow_quantized: accept a table that cannot reproduce the weights exactly (quantized, or a narrower float).
+    verify_rows: rows compared against the resident weight before it is freed (0: none); a mismatch raises
+        ModelMismatchError unless allow_quantized, which records the error instead (handle.max_abs_error).
+    keep_original: keep the original module (handle.use() swaps, handle.release() frees it later).
+
+    Raises ModelMismatchError for a model without per-layer embeddings or a table whose rows, width or dtype do
+    not fit; the open_table errors for a bad file.
+    """
+    module, cfg = per_layer_embedding(model)
+    weight = module.weight
+    weight_dtype = weight.dtype
+    if source is None:
+        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        if not source or not Path(source).exists():
+            raise ModelMismatchError("no table source given and the model was not loaded from a local directory "
+                                     f"({source!r}): pass source=")
+    table = source if isinstance(source, Table) else (
+        open_table(source, tensor, config=config) if tensor else open_table(source, config=config))
+    try:
+        _check_fit(table, module, cfg, weight_dtype, allow_quantized)
+        verified, max_err, rms = _verify(table, weight, weight_dtype, verify_rows, allow_quantized)
+        scale = getattr(module, "embed_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(getattr(module, "scalar_embed_scale", 1.0)), device=weight.device)
+        disk = DiskEmbedding(table, module.num_embeddings, module.embedding_dim, weight_dtype, scale,
+                             getattr(module, "padding_idx", None), backend)
+        setter = model.set_per_layer_input_embeddings
+        handle = OffloadHandle(model, disk, module, setter, weight.numel() * weight.element_size(), verified,
+                               max_err, rms)
+    except BaseException:
+        if not isinstance(source, Table):
+            table.close()
+        raise
+    if keep_original:
+        setter(disk)
+    else:
+        handle.release()
+    log.info("per-layer embedding of %s on disk: %s (%s), %d bytes freed, backend %s (%s)", type(model).__name__,
+             table.path, table.qtype.name, handle.bytes_freed, handle.backend, handle.why)
+    return handle
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the model's parameters (each shared tensor once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- the prefill A/B: `gds-gather prefill --hf MODEL_DIR [--table FILE]` ------------------------------------------
+
+class _HFTokenizer:
+    """An HF tokenizer with the encode(text) -> int64 array interface gds_gather.text.prompt_tokens uses."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok(text)["input_ids"], np.int64)
+
+
+def _tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return _HFTokenizer(AutoTokenizer.from_pretrained(model_dir))
+
+
+def _prefill_once(model, ids: torch.Tensor, ubatch: int) -> tuple[float, torch.Tensor]:
+    """A chunked prefill through the KV cache: (seconds, the last position's logits)."""
+    from transformers import DynamicCache
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for a in range(0, ids.shape[1], ubatch):
+            out = model(input_ids=ids[:, a:a + ubatch], use_cache=True, logits_to_keep=1, **{kw: cache})
+    sync()
+    return time.perf_counter() - t0, out.logits[0, -1].float().cpu()
+
+
+def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=None, n_tokens: int = 2048,
+                   ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 3,
+                   device: str | None = None, progress: bool = True, log=print) -> dict:
+    """The real model's prefill with the PLE table resident vs offloaded (A/B, interleaved, in the same process).
+
+    Loads MODEL_DIR with transformers (local files only), tokenizes the prompt (default: the Python documentation
+    topics) with the model's tokenizer when the directory has one, else with gds_gather.text's word-level mapping,
+    and runs a chunked prefill (ubatch tokens per forward, KV cache) `repeat` times each way after one warm-up.
+    table: the table file (default: the checkpoint's own safetensors). Returns the figures as a dict.
+    """
+    from transformers import AutoModelForCausalLM
+    from tqdm import tqdm
+
+    from .text import prompt_tokens
+    cfg = cfg or Config.from_env()
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: not a model directory")
+    if ubatch <= 0 or repeat <= 0:
+        raise ValueError(f"--ubatch and the repeat count must be > 0, got {ubatch}, {repeat}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto", local_files_only=True)
+    model = model.to(device).eval()
+    _, tcfg = per_layer_embedding(model)
+    tok = _tokenizer(model_dir)
+    n_vocab = min(int(tcfg.vocab_size), int(tcfg.vocab_size_per_layer_input))
+    tokens = prompt_tokens(n_vocab, (), prompt, n_tokens, tokenizer=tok)
+    ids = torch.as_tensor(tokens, dtype=torch.int64, device=device)[None]
+    params0 = parameter_bytes(model)
+    handle = offload_per_layer_embeddings(model, table or model_dir, backend or "auto", allow_quantized=True,
+                                          keep_original=True, config=cfg)
+    with handle:
+        t = handle.table
+        if log:
+            log(f"model     {model_dir} ({type(model).__name__}, {model.dtype}, {device}), "
+                f"parameters {_size(params0)}")
+            log(f"table     {t.path} ({t.name}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes:,} B = "
+                f"{_size(t.n_bytes)}); {handle.verified_rows} sampled rows vs the weights: "
+                + ("exact" if handle.exact else f"max |err| {handle.max_abs_error:.3g}, RMS {handle.rms_error:.3g}"))
+            log(f"prompt    {ids.shape[1]:,} tokens ({'default text' if prompt is None else prompt}; tokenizer "
+                f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}")
+            log(f"backend   {handle.backend}: {handle.why}")
+        times = {"resident": [], "offloaded": []}
+        logits = {}
+        order = ["resident", "offloaded"] * (repeat + 1)
+        for i, which in enumerate(tqdm(order, desc="A/B", disable=not progress, leave=False)):
+            handle.use(which)
+            s, logits[which] = _prefill_once(model, ids, ubatch)
+            if i >= 2:                      # the first pair is the warm-up
+                times[which].append(s)
+        rows0, ids0 = handle.rows_read, handle.row_ids
+        freed = handle.release()
+        params1 = parameter_bytes(model)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tps = {k: ids.shape[1] / v for k, v in med.items()}
+        runs = repeat + 1
+        res = {
+            "model": str(model_dir), "table": str(t.path), "qtype": t.qtype.name, "device": device,
+            "dtype": str(model.dtype).replace("torch.", ""), "tokens": int(ids.shape[1]), "ubatch": ubatch,
+            "repeat": repeat, "tok_per_s_resident": tps["resident"], "tok_per_s_offloaded": tps["offloaded"],
+            "offloaded_vs_resident": tps["offloaded"] / tps["resident"],
+            "seconds_resident": times["resident"], "seconds_offloaded": times["offloaded"],
+            "logits_equal": bool(torch.equal(logits["resident"], logits["offloaded"])),
+            "bytes_freed": freed, "parameter_bytes_before": params0, "parameter_bytes_after": params1,
+            "row_ids_per_run": ids0 // runs, "rows_read_per_run": rows0 // runs, **{
+                k: v for k, v in handle.stats().items() if k not in ("bytes_freed", "row_ids", "rows_read")},
+        }
+    if log:
+        log(f"resident  {tps['resident']:,.0f} tok/s (median of {repeat}; table in memory)")
+        log(f"offloaded {tps['offloaded']:,.0f} tok/s = {res['offloaded_vs_resident']:.2f}x resident; "
+            f"last-token logits {'equal' if res['logits_equal'] else 'differ'} (torch.equal)")
+        log(f"rows      {res['row_ids_per_run']:,} row ids per prefill, {res['rows_read_per_run']:,} unique rows read "
+            f"({_size(res['rows_read_per_run'] * t.row_bytes)})")
+        log(f"memory    {freed:,} B freed ({_size(freed)}): parameters {params0:,} -> {params1:,} B")
+    return res
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
+
+
+def cmd_prefill_hf(args, cfg: Config) -> int:
+    import json
+    n_tokens = 2048 if args.tokens is None else args.tokens
+    res = run_hf_prefill(args.hf, args.table, cfg, prompt=args.prompt, n_tokens=n_tokens, ubatch=args.ubatch,
+                         backend=args.backend, dtype=args.dtype, progress=not args.json,
+                         log=None if args.json else print)
+    if args.json:
+        print(json.dumps(res))
+    return 0

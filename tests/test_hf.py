@@ -1,0 +1,264 @@
+"""transformers' Gemma 4 / Gemma 3n with the PLE table on disk: the oracle is transformers' own model code.
+
+Tiny text models are built from small configs with random weights (no download), saved with save_pretrained,
+and loaded twice: one copy stays as it is, the other gets offload_per_layer_embeddings.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gds_gather import BadIdsError, GatherError, open_table  # noqa: E402
+from gds_gather.cli import main  # noqa: E402
+from gds_gather.convert import convert  # noqa: E402
+from gds_gather.errors import ModelMismatchError  # noqa: E402
+from gds_gather.hf import offload_per_layer_embeddings, parameter_bytes  # noqa: E402
+
+VOCAB, N_LAYER, PER_LAYER = 384, 4, 16
+PLE_NAME = "model.embed_tokens_per_layer.weight"
+
+
+def _config(kind: str, **kw):
+    common = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=N_LAYER, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  hidden_size_per_layer_input=PER_LAYER, sliding_window=16,
+                  layer_types=["sliding_attention", "full_attention"] * (N_LAYER // 2))
+    common.update(kw)
+    if kind == "gemma4":
+        return transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**common)
+    return transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
+        laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * N_LAYER,
+        **common)
+
+
+def build(path, kind: str, dtype=torch.float32, seed: int = 0, max_shard_size=None, **kw):
+    """A tiny random model saved to `path`. Every parameter gets noise: Gemma 3n initializes its altup output
+    scale to 0, which would cut the per-layer inputs off from the logits (and make these tests unable to fail)."""
+    cls, cfg = _config(kind, **kw)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model = model.to(dtype)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return path
+
+
+def load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{(kind, dtype name): model dir}: Gemma 4 and Gemma 3n, float32 and bfloat16 checkpoints."""
+    out = {}
+    for kind in ("gemma4", "gemma3n"):
+        for dt in (torch.float32, torch.bfloat16):
+            name = str(dt).replace("torch.", "")
+            out[kind, name] = build(tmp_path_factory.mktemp(f"{kind}-{name}"), kind, dt)
+    return out
+
+
+def _ids(seed=0, shape=(2, 24)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, shape, generator=g)
+    ids[0, 0], ids[-1, -1], ids[-1, 3] = 0, VOCAB - 1, ids[0, 5]     # first and last row, a repeat
+    return ids
+
+
+def _check_equal(ref, model, handle, ids):
+    """Logits torch.equal, greedy generate equal; counters count the lookups."""
+    before = (handle.row_ids, handle.rows_read)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    assert handle.row_ids - before[0] == ids.numel()
+    assert handle.rows_read - before[1] == torch.unique(ids).numel()
+    ga = ref.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+    gb = model.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+    assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gemma4", "gemma3n"])
+def test_offload_from_checkpoint_is_exact(models, kind, dtype):
+    path = models[kind, dtype]
+    ref, model = load(path), load(path)
+    w = model.get_per_layer_input_embeddings().weight
+    assert str(w.dtype) == f"torch.{dtype}" and tuple(w.shape) == (VOCAB, N_LAYER * PER_LAYER)
+    table_bytes = w.numel() * w.element_size()
+    p0 = parameter_bytes(model)
+    with offload_per_layer_embeddings(model, path) as h:
+        assert h.table.qtype.name == {"float32": "F32", "bfloat16": "BF16"}[dtype]
+        assert h.table.name == PLE_NAME and h.table.arch == kind
+        assert h.bytes_freed == table_bytes == h.table.n_bytes
+        assert p0 - parameter_bytes(model) == table_bytes
+        assert w.numel() == 0                    # the original storage is released
+        assert h.verified_rows > 2 and h.exact and h.backend
+        _check_equal(ref, model, h, _ids(1))
+        assert h.stats()["rows_read"] == h.rows_read > 0
+
+
+def test_offload_from_converted_gguf_is_exact(models, tmp_path, capsys):
+    for (kind, dtype), path in models.items():
+        out = tmp_path / f"{kind}-{dtype}.gguf"
+        res = convert(path, out, progress=False)
+        assert res["exact"] and res["max_abs_error"] == 0 and res["qtype"] == {"float32": "F32",
+                                                                                "bfloat16": "BF16"}[dtype]
+        with open_table(out) as t:                # llama.cpp's name and metadata
+            assert (t.name, t.arch, t.n_rows, t.row_elems) == ("per_layer_token_embd.weight", kind, VOCAB,
+                                                                N_LAYER * PER_LAYER)
+            assert t.field(f"{kind}.block_count") == N_LAYER
+            assert t.field(f"{kind}.embedding_length_per_layer_input") == PER_LAYER
+        ref, model = load(path), load(path)
+        with offload_per_layer_embeddings(model, out) as h:
+            _check_equal(ref, model, h, _ids(2))
+    assert main(["info", str(out)]) == 0
+    assert "copied from" in capsys.readouterr().out
+
+
+def test_quantized_table_within_tolerance(models, tmp_path, capsys):
+    """Q8_0 rows: the per-layer embedding output is within the recorded max error x the embed scale, and the
+    logits within 0.25 x their standard deviation of the exact model's. Measured on these random tiny models
+    (3 prompts): max |logit error| 0.021-0.074 on Gemma 4 (std 0.43), 0.001-0.002 on Gemma 3n; Q4_0 gives
+    0.35-0.53 on Gemma 4, about 1.2 x std."""
+    path = models["gemma4", "float32"]
+    out = tmp_path / "q8.gguf"
+    res = convert(path, out, "Q8_0", progress=False)
+    assert res["row_bytes"] == N_LAYER * PER_LAYER // 32 * 34 and not res["exact"]
+    src = load(path).get_per_layer_input_embeddings().weight.detach().numpy()
+    from gguf import GGUFReader
+    from gguf import quants as gq
+    r = GGUFReader(str(out))
+    t = r.tensors[0]
+    deq = gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(VOCAB, -1)
+    assert res["max_abs_error"] == pytest.approx(float(np.abs(deq - src).max()), rel=1e-6)
+    assert 0 < res["max_abs_error"] < 1e-3
+    assert main(["info", str(out)]) == 0
+    assert "max |error|" in capsys.readouterr().out
+    for kind in ("gemma4", "gemma3n"):
+        path = models[kind, "float32"]
+        out = tmp_path / f"{kind}-q8.gguf"
+        convert(path, out, "q8_0", progress=False)
+        ref, model = load(path), load(path)
+        with pytest.raises(ModelMismatchError, match="allow_quantized"):
+            offload_per_layer_embeddings(model, out)
+        with offload_per_layer_embeddings(model, out, allow_quantized=True) as h:
+            assert not h.exact and 0 < h.max_abs_error < 1e-3
+            ids = _ids(3)
+            with torch.no_grad():
+                pa = ref.get_per_layer_input_embeddings()(ids)
+                pb = model.get_per_layer_input_embeddings()(ids)
+                la, lb = ref(ids).logits, model(ids).logits
+            scale = PER_LAYER ** 0.5
+            assert float((pa - pb).abs().max()) <= h.table.field("gds_gather.convert.max_abs_error") * scale * 1.0001
+            assert not torch.equal(la, lb)       # the table reaches the logits: this test can fail
+            torch.testing.assert_close(lb, la, rtol=0, atol=0.25 * float(la.std()))
+
+
+def test_sharded_checkpoint(tmp_path):
+    path = build(tmp_path / "sharded", "gemma4", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    ref, model = load(path), load(path)
+    with offload_per_layer_embeddings(model) as h:     # source: the directory the model was loaded from
+        assert h.table.path.parent == path and h.table.path.name != "model.safetensors"
+        _check_equal(ref, model, h, _ids(4))
+
+
+def test_mismatches_are_clear(models, tmp_path):
+    path = models["gemma4", "float32"]
+    # a model without per-layer embeddings
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ModelMismatchError, match="no per-layer embeddings"):
+        offload_per_layer_embeddings(llama, path)
+    # another vocabulary, another row width, other rows of the same shape
+    other_vocab = build(tmp_path / "v", "gemma4", vocab_size=256, vocab_size_per_layer_input=256)
+    other_width = build(tmp_path / "w", "gemma4", hidden_size_per_layer_input=8)
+    other_rows = build(tmp_path / "r", "gemma4", seed=7)
+    for src, match in ((other_vocab, "rows, but the model's vocab_size_per_layer_input"),
+                       (other_width, "num_hidden_layers x hidden_size_per_layer_input"),
+                       (other_rows, "sampled rows differ")):
+        model = load(path)
+        with pytest.raises(ModelMismatchError, match=match):
+            offload_per_layer_embeddings(model, src)
+        assert model.get_per_layer_input_embeddings().weight.numel() > 0     # untouched on error
+    # a narrower float table than the weights: lossy, refused unless allowed
+    model = load(path)
+    with pytest.raises(ModelMismatchError, match="BF16 table cannot give the model's torch.float32"):
+        offload_per_layer_embeddings(model, models["gemma4", "bfloat16"])
+    # already offloaded; ids out of range; a closed table
+    with offload_per_layer_embeddings(model, path):
+        with pytest.raises(ModelMismatchError, match="already on disk"):
+            offload_per_layer_embeddings(model, path)
+        with pytest.raises(BadIdsError):
+            model.get_per_layer_input_embeddings()(torch.tensor([[1, VOCAB]]))
+    with pytest.raises((GatherError, ValueError), match="closed"):
+        model.get_per_layer_input_embeddings()(torch.tensor([[1, 2]]))
+    assert issubclass(ModelMismatchError, GatherError)
+
+
+def test_gemma_math_matches_transformers(models):
+    """model/gemma.py's per-layer inputs (written from llama.cpp's graph) vs transformers' get_per_layer_inputs +
+    project_per_layer_inputs on the same weights: equal in float32; within bfloat16 rounding in bfloat16
+    (transformers rounds the projection, norm and sum to bfloat16 in between, gemma.py keeps float32)."""
+    from gds_gather.model.gemma import per_layer_inputs
+    for (kind, dtype), path in models.items():
+        m = load(path).model
+        cfg = m.config
+        ids = _ids(5, (1, 40))
+        with torch.no_grad():
+            emb = m.embed_tokens(ids)
+            rows_t = m.get_per_layer_inputs(ids, emb) if kind == "gemma4" else m.get_per_layer_inputs(ids)
+            ref = m.project_per_layer_inputs(emb, rows_t)[0].permute(1, 0, 2)          # [L, T, P]
+            ours = per_layer_inputs(m.embed_tokens_per_layer.weight[ids[0]], emb[0],
+                                    m.per_layer_model_projection.weight, m.per_layer_projection_norm.weight,
+                                    n_layer=cfg.num_hidden_layers, n_embd_per_layer=cfg.hidden_size_per_layer_input,
+                                    eps=cfg.rms_norm_eps)
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape
+        if dtype == "float32":
+            assert torch.equal(ours, ref.contiguous()), kind
+        else:
+            torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -6, atol=2 ** -5)
+            assert not torch.equal(ours, ref.contiguous())     # the bf16 intermediates do differ
+
+
+def test_cli_prefill_hf(models, tmp_path, capsys):
+    path = models["gemma3n", "bfloat16"]
+    assert main(["prefill", "--hf", str(path), "--tokens", "96", "--ubatch", "32", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    w = N_LAYER * PER_LAYER * VOCAB * 2
+    assert res["logits_equal"] and res["bytes_freed"] == w
+    assert res["parameter_bytes_before"] - res["parameter_bytes_after"] == w
+    assert res["row_ids_per_run"] == 96 and 0 < res["rows_read_per_run"] <= 96
+    assert res["tok_per_s_resident"] > 0 and res["tok_per_s_offloaded"] > 0 and res["backend"]
+    gguf = tmp_path / "t.gguf"
+    assert main(["convert", str(path), "-o", str(gguf), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["prefill", "--hf", str(path), "--table", str(gguf), "--tokens", "40", "--ubatch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "logits equal" in out and f"{w:,} B freed" in out and "tok/s" in out
+    assert main(["convert", str(path), "-o", str(tmp_path / "k.gguf"), "--qtype", "Q6_K"]) == 2
+    assert "no quantizer for Q6_K" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_ids(models, tmp_path):
+    for (kind, dtype), path in models.items():
+        gguf = tmp_path / f"{kind}-{dtype}.gguf"
+        convert(path, gguf, progress=False)
+        for src in (path, gguf):
+            ref, model = load(path).to("cuda"), load(path).to("cuda")
+            with offload_per_layer_embeddings(model, src) as h:
+                ids = _ids(6).to("cuda")
+                _check_equal(ref, model, h, ids)
+                assert h.device_backend is not None
+                out = model.get_per_layer_input_embeddings()(ids)
+                assert out.device == ids.device and out.dtype == getattr(torch, dtype)
