@@ -29,7 +29,7 @@ from . import quants
 from .backends import choose_device, resolve
 from .config import Config
 from .readers import HOST_READERS, rows_from_windows
-from .schedule import check_fits, run_ubatches, staging_bound_for
+from .schedule import check_fits, graph_mode, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,8 @@ class GpuPrefill:
         self.t, self.mapper, self.graph, self.ubatch = table, mapper, graph, ubatch
         self.cfg = config or table.config
         self.platform = detect(self.cfg.platform)
-        self.graph_why = "CUDA graph per (ubatch size, slot)" if graph else "eager: graph=False (--no-graph)"
-        if graph and self.platform.kind == "rocm":
-            self.graph = False
-            self.graph_why = ("eager on ROCm: the captured wait on the host flag is a CUDA driver call "
-                              "(cuStreamWaitValue32); HIP's hipStreamWaitValue32 path is not built")
+        self.graph, self.graph_why = graph_mode(graph, self.platform.kind)
+        if graph and not self.graph:
             log.warning("prefill: %s", self.graph_why)
         self.dev = torch.device("cuda")
         self.tdtype = getattr(torch, dtype)

@@ -37,6 +37,16 @@ class StagingCapacityError(GatherError):
     """A plan needs more staging than a captured graph's buffer holds (refused before anything is read)."""
 
 
+def graph_mode(requested: bool, platform_kind: str) -> tuple[bool, str]:
+    """(capture CUDA graphs?, why) for the GPU prefill on this platform."""
+    if not requested:
+        return False, "eager: graph=False (--no-graph)"
+    if platform_kind == "rocm":
+        return False, ("eager on ROCm: the captured wait on the host flag is a CUDA driver call "
+                       "(cuStreamWaitValue32); HIP's hipStreamWaitValue32 path is not built")
+    return True, "CUDA graph per (ubatch size, slot)"
+
+
 def staging_bound(n_ids: int, row_bytes: int, align: int, max_gap: int = 0, max_waste: float | None = None) -> int:
     """The most window-staging bytes a plan of `n_ids` row ids can need (planner.windows' rules).
 

@@ -17,7 +17,7 @@ import pytest
 from gds_gather.errors import GatherError, ReadError
 from gds_gather.model import write_model
 from gds_gather.planner import plan_rows
-from gds_gather.schedule import (StagingCapacityError, check_fits, run_ubatches, staging_bound,
+from gds_gather.schedule import (StagingCapacityError, check_fits, graph_mode, run_ubatches, staging_bound,
                                  staging_bound_for)
 
 HANG = 5.0      # a step blocked this long counts as a hang (the real GPU would wait forever)
@@ -306,3 +306,26 @@ def test_bound_for_a_table_uses_its_config(tmp_path):
         assert staging_bound_for(t, 4096) == want
         plan = t.plan(np.random.default_rng(0).integers(0, t.n_rows, 4096))
         assert plan.window_bytes <= want
+
+
+def test_gpu_prefill_implements_the_device_contract():
+    """GpuPrefill is run_ubatches' device: every method the schedule calls exists with the contract's arity."""
+    import inspect
+
+    from gds_gather.pipeline import GpuPrefill
+    arity = {"slot_free": 2, "launch": 2, "release": 1, "scrub": 1, "done": 2, "drain": 0, "rearm": 0}
+    for name, n in arity.items():
+        fn = getattr(GpuPrefill, name)
+        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+        assert len(params) == n, (name, params)
+        sd = getattr(StandInDevice, name)
+        assert len([p for p in inspect.signature(sd).parameters.values()
+                    if p.name != "self" and p.default is inspect.Parameter.empty]) == n, name
+
+
+def test_graph_mode_per_platform():
+    assert graph_mode(True, "discrete") == (True, "CUDA graph per (ubatch size, slot)")
+    assert graph_mode(True, "unified")[0] is True
+    on, why = graph_mode(True, "rocm")
+    assert on is False and "eager on ROCm" in why and "cuStreamWaitValue32" in why
+    assert graph_mode(False, "discrete") == (False, "eager: graph=False (--no-graph)")
