@@ -32,6 +32,7 @@ from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType as Q
 from gguf import quants as gq
 
 import gds_gather as gg
+from gds_gather.gguf_file import read_gguf
 from gds_gather.tokenizer import GGUFTokenizer, TokenizerError
 
 CASES = int(os.environ.get("GDS_GATHER_FUZZ_CASES", "500"))
@@ -393,3 +394,47 @@ def test_fuzz_reader(bases, tmp_path):
     assert set(per_class) == set(CLASSES) or CASES < len(CLASSES)
     opened = sum(n for (c, o), n in outcomes.items() if o == "opened")
     assert 0 < opened < CASES       # the mutants exercise both sides of the contract
+
+
+def test_tokenizer_metadata_of_wrong_kinds(tmp_path):
+    """Tokenizer keys holding values of the wrong kind (parseable files): a TokenizerError or GatherError, never a
+    TypeError or ValueError from inside the tokenizer. 150 seeded combinations."""
+    tokens, scores, types = _spm_vocab()
+    n = len(tokens)
+    choices = {
+        "tokenizer.ggml.model": ["llama", "gpt2", "gemma4", "bert", 5],
+        "tokenizer.ggml.tokens": [tokens, [], ["a"], [""] * 10, [1, 2]],
+        "tokenizer.ggml.token_type": [types, [], [99] * n, ["x"] * n, [1.5] * n, types[:3]],
+        "tokenizer.ggml.scores": [scores, [], [float("nan")] * n, ["s"] * n, [1] * n],
+        "tokenizer.ggml.bos_token_id": [1, -1, 2**31, "x", 1.5, None],
+        "tokenizer.ggml.unknown_token_id": [0, -5, 10**9, "u", None],
+        "tokenizer.ggml.add_space_prefix": [True, 3, "y", None],
+        "tokenizer.ggml.merges": [None, ["a b", "th e"], ["", " ", "a"], [1, 2]],
+        "tokenizer.ggml.pre": [None, "default", "qwen2", "nope", 7],
+    }
+    rng = random.Random(SEED)
+    outcomes = Counter()
+    for i in range(150):
+        w = GGUFWriter(str(tmp_path / f"{i}.gguf"), "llama")
+        for key, options in choices.items():
+            v = rng.choice(options)
+            if v is None:
+                continue
+            add = (w.add_array if isinstance(v, list) else w.add_bool if isinstance(v, bool) else
+                   w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else
+                   w.add_int32 if v < 0 else w.add_uint32)
+            add(key, v)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")          # unknown pre-tokenizer names may warn
+                tok = GGUFTokenizer.from_reader(read_gguf(tmp_path / f"{i}.gguf"))
+                if tok is not None:
+                    tok.encode("the th\u00e9 12 x")
+            outcomes["loaded"] += 1
+        except (gg.GatherError, TokenizerError) as e:
+            outcomes[type(e).__name__] += 1
+    assert outcomes["loaded"] and outcomes["TokenizerError"], outcomes
