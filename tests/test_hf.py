@@ -163,6 +163,28 @@ def test_quantized_table_within_tolerance(models, tmp_path, capsys):
             torch.testing.assert_close(lb, la, rtol=0, atol=0.25 * float(la.std()))
 
 
+def test_convert_streams_in_chunks(models, tmp_path):
+    """Small chunks (3 rows) give the same bytes as gguf's quantizer on the whole table, and the whole-table error."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import quants as gq
+    from gds_gather import RowWidthError
+    path = models["gemma3n", "bfloat16"]
+    src = load(path).get_per_layer_input_embeddings().weight.detach().float().numpy()
+    for qtype in ("Q4_0", "Q5_1", "F16"):
+        out = tmp_path / f"{qtype}.gguf"
+        res = convert(path, out, qtype, progress=False, chunk_bytes=3 * N_LAYER * PER_LAYER * 4)
+        t = GGUFReader(str(out)).tensors[0]
+        qt = GGMLQuantizationType[qtype]
+        want = gq.quantize(src, qt)
+        assert np.asarray(t.data).tobytes() == want.tobytes()
+        err = np.abs(gq.dequantize(want.view(np.uint8).reshape(VOCAB, -1), qt).reshape(VOCAB, -1) - src)
+        assert res["max_abs_error"] == pytest.approx(float(err.max()), rel=1e-6)
+        assert res["rms_error"] == pytest.approx(float(np.sqrt(np.mean(err.astype(np.float64) ** 2))), rel=1e-6)
+    with pytest.raises(RowWidthError):            # 64-wide rows are not whole 256-element TQ1_0 blocks
+        convert(path, tmp_path / "tq.gguf", "TQ1_0", progress=False)
+    assert not (tmp_path / "tq.gguf").exists()
+
+
 def test_sharded_checkpoint(tmp_path):
     path = build(tmp_path / "sharded", "gemma4", max_shard_size="40KB")
     assert (path / "model.safetensors.index.json").is_file()
