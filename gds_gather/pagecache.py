@@ -1,0 +1,84 @@
+"""Page-cache-aware reads for `direct`: rows whose pages the page cache already holds are copied from a mapping of
+the file, the rest are read O_DIRECT (which still adds nothing to the page cache).
+
+Residency comes from mincore over a read-only mapping of the table's span. One mincore of a 2.16 GB table costs
+about 4 ms on the development machine, as much as a whole warm batch, so it is not done per batch: the map is
+refreshed when it is older than max(interval, 50 x the last refresh's cost) (at most 2% of the time goes to it).
+Between refreshes the map can only be wrong about pages another process loaded or the kernel evicted: a row
+believed cold is read O_DIRECT (correct, as before), a row believed resident whose page was evicted costs one
+page fault (correct; the mapping has MADV_RANDOM, so the fault reads that page only). A cold file
+(nothing resident) costs one mincore per refresh and nothing per batch.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+
+import numpy as np
+
+from .measure import _libc
+
+PAGE = mmap.PAGESIZE
+
+
+class Residency:
+    """Which pages of [data_offset, data_offset + n_bytes) of `path` are in the page cache (see module doc)."""
+
+    def __init__(self, path, data_offset: int, n_bytes: int, *, interval: float = 0.25):
+        self.interval = interval
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            self._mm.madvise(mmap.MADV_RANDOM)
+        self.data_offset, self.n_bytes = int(data_offset), int(n_bytes)
+        self._base = np.frombuffer(self._mm, np.uint8)
+        self.table = self._base[self.data_offset:self.data_offset + self.n_bytes]
+        self.page0 = self.data_offset // PAGE
+        end = -(-(self.data_offset + self.n_bytes) // PAGE)
+        self.vec = np.zeros(end - self.page0, np.uint8)
+        self._last = -float("inf")
+        self.cost = 0.0
+        self.any = False
+        self.refreshes = 0
+
+    def refresh(self) -> None:
+        a = time.perf_counter()
+        addr = self._base.ctypes.data + self.page0 * PAGE
+        rc = _libc().mincore(ctypes.c_void_p(addr), ctypes.c_size_t(self.vec.shape[0] * PAGE),
+                             self.vec.ctypes.data_as(ctypes.c_void_p))
+        if rc:
+            self.vec[:] = 0
+        self.vec &= 1
+        self.any = bool(self.vec.any())
+        b = time.perf_counter()
+        self.cost, self._last = b - a, b
+        self.refreshes += 1
+
+    def rows_resident(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
+        """Bool mask of the rows whose every page is resident, or None when no page of the table is."""
+        if time.perf_counter() - self._last >= max(self.interval, 50 * self.cost):
+            self.refresh()
+        if not self.any:
+            return None
+        start = self.data_offset + unique_rows * row_bytes
+        first = start // PAGE - self.page0
+        last = (start + row_bytes - 1) // PAGE - self.page0
+        ok = self.vec[first].astype(bool)
+        span = -(-row_bytes // PAGE) + 1            # the most pages a row can touch
+        for k in range(1, span):
+            ok &= self.vec[np.minimum(first + k, last)].astype(bool)
+        return ok
+
+    def take(self, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
+        """Copy whole rows (resident pages: no I/O) into out, uint8 [len(rows), row_bytes]."""
+        np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out)
+
+    def close(self) -> None:
+        self.table = self._base = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None

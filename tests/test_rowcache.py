@@ -1,0 +1,188 @@
+"""The row cache: any sequence of batches returns exactly the file's rows (gguf's dequantization), the cache stays
+within its budget, a changed file is refused, and the index and policy hold their invariants."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gds_gather as gg
+from gds_gather import rowcache
+from gds_gather.rowcache import HashIndex, RowCache, budget_for, capacity_for
+
+N_ROWS = 400
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory, ggufs):
+    """(path, raw rows as the file holds them, gguf's dequantization of the table)."""
+    path = ggufs.write(tmp_path_factory.mktemp("rc") / "rc.gguf", ggufs.rows(Q.IQ4_NL, N_ROWS, 160, seed=3),
+                       Q.IQ4_NL)
+    with gg.open_table(path) as t:
+        raw = np.fromfile(path, np.uint8, t.n_bytes, offset=t.data_offset).reshape(N_ROWS, t.row_bytes)
+    return path, raw, ggufs.reference(path)
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    rowcache.drop_all()
+    yield
+    rowcache.drop_all()
+
+
+batches = st.lists(st.lists(st.integers(0, N_ROWS - 1), max_size=150), min_size=1, max_size=10)
+
+
+@SETTINGS
+@given(batches=batches, budget=st.integers(0, 40_000), with_gather=st.booleans())
+def test_any_batches_return_the_files_rows_within_budget(table, batches, budget, with_gather):
+    path, raw, ref = table
+    rowcache.drop_all()
+    seen = 0
+    with gg.open_table(path, config=gg.Config(cache_bytes=budget)) as t:
+        for b in batches:
+            ids = np.array(b, np.int64)
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+            seen += np.unique(ids).size
+            if with_gather:
+                np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+                seen += np.unique(ids).size
+            c = rowcache._existing(t)
+            if c is not None:
+                assert c.nbytes <= c.budget == budget
+                assert c.n_used <= c.capacity == capacity_for(budget, t.row_bytes)
+                used = c.slot_row[:c.n_used]
+                assert np.unique(used).size == used.size               # a row lives in one slot
+                np.testing.assert_array_equal(c.index.get(used), np.arange(c.n_used))
+                np.testing.assert_array_equal(c.data[:c.n_used], raw[used])   # every slot holds its row
+        s = t.stats()
+        assert s["rows_from_cache"] + s["rows_from_page_cache"] + s["rows_from_device"] == seen
+        assert s["cache_hits"] + s["cache_misses"] == (seen if budget and capacity_for(budget, t.row_bytes) else 0)
+        assert s["cache_bytes"] <= budget == s["cache_budget_bytes"]
+
+
+def test_repeats_are_served_by_the_cache_across_tables(table):
+    path, raw, _ = table
+    ids = np.array([5, 7, 5, 399, 0, 7])
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+        t.read_rows(ids, "direct")
+        b0 = t.stats()["bytes_requested"]
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["bytes_requested"] == b0 > 0 and s["rows_from_cache"] == 4 and s["cache_hit_rate"] == 0.5
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:    # a new Table: same file, same cache
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_cache"] == 4 and s["bytes_requested"] == 0 and s["cache_bytes"] > 0
+
+
+def test_disabled_and_baselines_read_every_time(table):
+    path, raw, _ = table
+    ids = np.arange(0, N_ROWS, 3)
+    with gg.open_table(path, config=gg.Config(cache_bytes=0)) as t:
+        for _ in range(2):
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        assert t.stats()["rows_from_cache"] == 0 and t.stats()["cache_bytes"] == 0
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+        for b in ("pread", "mmap", "readahead"):       # baselines stay faithful: no cache
+            for _ in range(2):
+                np.testing.assert_array_equal(t.read_rows(ids, b), raw[ids])
+        assert t.stats()["rows_from_cache"] == 0
+
+
+def test_changed_file_is_refused_and_never_served_stale(tmp_path, ggufs):
+    rows_a = ggufs.rows(Q.IQ4_NL, 50, 160, seed=1)
+    rows_b = ggufs.rows(Q.IQ4_NL, 50, 160, seed=2)
+    path = ggufs.write(tmp_path / "c.gguf", rows_a, Q.IQ4_NL)
+    ids = np.array([1, 2, 3])
+    cfg = gg.Config(cache_bytes=1 << 20)
+    with gg.open_table(path, config=cfg) as t:
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), rows_a[ids])
+        st_ = os.stat(path)
+        os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
+        with pytest.raises(gg.ReadError, match="modified"):
+            t.read_rows(ids, "direct")             # every row is cached: refused all the same
+    ggufs.write(tmp_path / "c.gguf", rows_b, Q.IQ4_NL)   # rewritten in place: new contents
+    with gg.open_table(path, config=cfg) as t:
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), rows_b[ids])
+        assert t.stats()["rows_from_cache"] == 0
+
+
+def test_budget_config_and_env():
+    assert gg.Config.from_env({"GDS_GATHER_CACHE_BYTES": "1048576"}).cache_bytes == 1 << 20
+    assert gg.Config().cache_bytes == -1
+    assert budget_for(-1, 10 << 30) == rowcache.AUTO_MAX_BYTES and budget_for(-1, 1000) == 100
+    assert budget_for(0, 10 << 30) == 0 and budget_for(12345, 1) == 12345
+    with pytest.raises(ValueError):
+        gg.Config(cache_bytes=-2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(0, 1 << 24), row_bytes=st.integers(1, 20000))
+def test_capacity_footprint_fits_the_budget(budget, row_bytes):
+    c = capacity_for(budget, row_bytes)
+    assert rowcache._footprint(c, row_bytes) <= budget or c == 0
+    assert rowcache._footprint(c + 1, row_bytes) > budget
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 300), max_size=60, unique=True)),
+                    max_size=30))
+def test_hash_index_matches_a_dict(ops):
+    idx, model = HashIndex(300), {}
+    for insert, keys in ops:
+        k = np.array(keys, np.int64)
+        if insert:
+            new = np.array([x for x in keys if x not in model], np.int64)
+            idx.insert(new, new * 7)
+            model.update({int(x): int(x) * 7 for x in new})
+        else:
+            idx.delete(k)
+            for x in keys:
+                model.pop(x, None)
+        probe = np.arange(0, 301, dtype=np.int64)
+        want = np.array([model.get(int(x), -1) for x in probe])
+        np.testing.assert_array_equal(idx.get(probe), want)
+        assert idx.live == len(model)
+
+
+def test_policy_protects_hits_and_keeps_frequent_rows():
+    c = RowCache(row_bytes=8, budget=capacity_budget(64, 8))
+    assert c.capacity == 64
+    hot = np.arange(64, dtype=np.int64)
+    for _ in range(5):                     # hot rows: seen often
+        g = c.gen
+        s = c.lookup(hot)
+        c.admit(hot[s < 0], None, gen=g)
+    assert (c.lookup(hot) >= 0).all()
+    cold = np.arange(1000, 1200, dtype=np.int64)     # one-hit rows do not push frequent ones out
+    g = c.gen
+    s = c.lookup(cold)
+    c.admit(cold, None, protect=np.arange(64), gen=g)
+    assert (c.index.get(hot) >= 0).all()
+    assert c.nbytes <= c.budget
+
+
+def capacity_budget(slots: int, row_bytes: int) -> int:
+    return rowcache._footprint(slots, row_bytes)
+
+
+@pytest.mark.gpu
+def test_device_cache_returns_the_rows_and_serves_hits(table):
+    import cupy as cp
+    path, raw, ref = table
+    ids = np.array([[3, 9, 3], [399, 0, 9]])
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+        for k in range(3):
+            got = t.read_rows(cp.asarray(ids), "direct")
+            np.testing.assert_array_equal(cp.asnumpy(got), raw[ids])
+            np.testing.assert_array_equal(cp.asnumpy(t.gather(cp.asarray(ids), "direct")), ref[ids])
+        s = t.stats()
+        assert s["rows_from_cache"] >= 4 * 4 and s["cache_bytes"] > 0
+        sink = next(iter(t._sinks.values()))
+        assert sink.cache is not None and sink.cache.n_used == 4
