@@ -10,7 +10,9 @@ A prompt file is read only as far as needed: in 64 KiB chunks, decoded as UTF-8 
 as `errors="replace"`), tokenized chunk by chunk until `n_tokens` ids exist, and never past MAX_PROMPT_BYTES (the
 text read so far then counts as the whole prompt). Chunks are cut only where the tokenizer's `safe_cut` says the
 ids of the parts equal the ids of the whole (before a space that follows a non-space; see gds_gather.tokenizer), so
-the ids are those a full read gives. Only regular files are read: a directory, FIFO, socket or device is refused.
+the ids are those a full read gives; text with no such cut in MAX_UNCUT characters (no spaces at all, e.g. Chinese)
+is cut there anyway, which may change the few ids at that point but keeps the memory bounded. Only regular files
+are read: a directory, FIFO, socket or device is refused.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ _WORD = re.compile(r"\w+|[^\w\s]")
 MAX_TOKENS = 1 << 24              # prompt length bound (--tokens): 128 MiB of int64 ids before any row ids
 MAX_PROMPT_BYTES = 64 << 20       # never read more of a prompt file than this
 CHUNK_BYTES = 64 << 10
+MAX_UNCUT = 1 << 18               # characters encoded at most in one piece (see _stream_ids)
 
 
 class PromptError(GatherError, ValueError):
@@ -120,7 +123,9 @@ def _stream_ids(path, n_tokens: int | None, enc) -> tuple[np.ndarray, bool]:
         k = enc.safe_cut(pending, scanned)      # cuts before `scanned` were looked for already
         scanned = len(pending)
         if k <= 0:
-            continue
+            if len(pending) < MAX_UNCUT:
+                continue
+            k = len(pending)      # no safe cut in MAX_UNCUT characters (no spaces): cut anyway, memory stays bounded
         head, pending = pending[:k], pending[k:]
         scanned -= k
         words = words or _WORD.search(head) is not None
