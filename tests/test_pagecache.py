@@ -1,0 +1,140 @@
+"""Page-cache-aware direct reads: rows whose pages are resident come from the page cache, the rest O_DIRECT; the
+rows are exact either way and O_DIRECT still adds nothing to the page cache."""
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import gds_gather as gg
+from gds_gather import measure, rowcache, uring
+from gds_gather.pagecache import PAGE, Residency
+
+NO_CACHE = gg.Config(cache_bytes=0)          # the row cache off: every row goes to the reader
+
+
+@pytest.fixture
+def wide(tmp_path, ggufs):
+    """A Q8_0 table of 1,088-byte rows (width 1024; several straddle pages), with the file's raw rows."""
+    path = ggufs.write(tmp_path / "w.gguf", ggufs.rows(Q.Q8_0, 3000, 1024, seed=4), Q.Q8_0)
+    with gg.open_table(path) as t:
+        raw = np.fromfile(path, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
+    return path, raw
+
+
+def _odirect(t) -> bool:
+    t.read_rows([0], "direct")
+    return t._readers["direct"].odirect
+
+
+def _warm(path, start: int, n: int) -> None:
+    """Bring exactly [start, start + n) into the page cache (FADV_RANDOM: no readahead past it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for o in range(start, start + n, 1 << 16):
+            os.pread(fd, min(1 << 16, start + n - o), o)
+    finally:
+        os.close(fd)
+
+
+def test_warm_rows_come_from_the_page_cache_cold_ones_odirect(wide):
+    path, raw = wide
+    gc.collect()                  # no mapping of the file left (a live mapping makes preads read ahead)
+    measure.evict_file(path)
+    _warm(path, 0, os.path.getsize(path) // 2)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        ids = np.random.default_rng(0).integers(0, t.n_rows, 800)
+        before = measure.resident_bytes(path)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] > 0 and s["rows_from_device"] > 0
+        assert s["rows_from_page_cache"] + s["rows_from_device"] == np.unique(ids).size + 1
+        assert measure.resident_bytes(path) == before        # O_DIRECT added nothing to the page cache
+        np.testing.assert_array_equal(t.gather(ids, "direct"), t.gather(ids, "pread"))
+
+
+def test_cold_file_reads_everything_odirect(wide):
+    path, raw = wide
+    measure.evict_file(path)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        measure.evict_file(path)
+        t._readers["direct"]._pc.refresh()
+        ids = np.arange(100, t.n_rows, 7)          # clear of the header pages the metadata reader maps
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] <= 1 and s["rows_from_device"] >= ids.size
+
+
+def test_page_cache_reads_can_be_turned_off(wide):
+    path, raw = wide
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=gg.Config(cache_bytes=0, page_cache_reads=0)) as t:
+        ids = np.arange(0, t.n_rows, 5)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        assert t.stats()["rows_from_page_cache"] == 0
+        assert t._readers["direct"]._pc is None
+
+
+def test_all_warm_and_with_the_row_cache(wide):
+    path, raw = wide
+    rowcache.drop_all()
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        t._readers["direct"]._pc.refresh()
+        ids = np.array([[1, 2999, 1], [1500, 2, 3]])
+        for _ in range(2):
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] == 6 and s["rows_from_cache"] == 5 and s["rows_from_device"] == 0
+    rowcache.drop_all()
+
+
+def test_residency_mask_matches_every_page_of_each_row(wide):
+    path, _ = wide
+    with gg.open_table(path) as t:
+        res = Residency(path, t.data_offset, t.n_bytes)
+        try:
+            res.refresh()
+            rng = np.random.default_rng(1)
+            res.vec[:] = rng.integers(0, 2, res.vec.shape[0]) | (rng.random(res.vec.shape[0]) < 0.7)
+            res.any = True
+            res._last = float("inf")               # keep the planted map
+            rows = np.arange(t.n_rows)
+            got = res.rows_resident(rows, t.row_bytes)
+            start = t.data_offset + rows * t.row_bytes
+            want = [all(res.vec[p - res.page0] for p in range(s // PAGE, (s + t.row_bytes - 1) // PAGE + 1))
+                    for s in start.tolist()]
+            np.testing.assert_array_equal(got, np.array(want))
+        finally:
+            res.close()
+
+
+@pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
+def test_mixed_read_errors_still_raise(wide):
+    path, _ = wide
+    gc.collect()
+    measure.evict_file(path)
+    _warm(path, 0, os.path.getsize(path) // 2)
+    with gg.open_table(path, config=gg.Config(cache_bytes=0, engine="uring")) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        assert t._readers["direct"]._pc.any
+        t._readers["direct"].inject = lambda res, idx: np.where(idx == idx.min(), -errno.EIO, res)
+        with pytest.raises(gg.ReadError, match="Input/output error"):
+            t.read_rows(np.arange(0, t.n_rows, 3), "direct")
+
+
+def test_pagecache_is_page_sized():
+    assert PAGE == mmap.PAGESIZE
