@@ -219,8 +219,25 @@ def _bytes_to_unicode() -> tuple[str, ...]:
 # ---- reading GGUF fields ---------------------------------------------------------------------------------------
 
 def _field(reader, key: str):
+    """A metadata value; a tokenizer key of the wrong kind (llama.cpp's typed getters refuse it) is a
+    TokenizerError, not a TypeError deep inside the tokenizer."""
     f = reader.get_field(key)
-    return None if f is None else f.contents()
+    if f is None:
+        return None
+    v = f.contents()
+    if key.endswith(("_id", "_token_id")):
+        ok, kind = isinstance(v, int), "an integer"
+    elif key.endswith((".model", ".pre")):
+        ok, kind = isinstance(v, str), "a string"
+    elif key.endswith(".token_type"):
+        ok, kind = isinstance(v, list) and all(isinstance(x, int) for x in v), "an array of integers"
+    elif key.endswith(".scores"):
+        ok, kind = isinstance(v, list) and all(isinstance(x, (int, float)) for x in v), "an array of numbers"
+    else:
+        ok, kind = True, ""
+    if not ok:
+        raise TokenizerError(f"{key} is not {kind}: {str(v)[:60]}")
+    return v
 
 
 def _strings(reader, key: str) -> list[str] | None:
