@@ -22,6 +22,7 @@ torch.compile / CUDA graph capture of the forward (the plan is made on the host,
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import statistics
@@ -87,41 +88,36 @@ class DiskEmbedding(torch.nn.Module):
         return (f"{self.num_embeddings}, {self.embedding_dim}, table={str(t.path)!r} ({t.qtype.name}), "
                 f"dtype={self.weight_dtype}, backend={self.backend}")
 
-    def _plan(self, ids_np: np.ndarray):
+    def _check(self, ids_np: np.ndarray) -> None:
         if ids_np.size and self.table.n_rows != self.num_embeddings:   # a padded table: refuse ids past the vocab
             lo, hi = int(ids_np.min()), int(ids_np.max())
             if lo < 0 or hi >= self.num_embeddings:
                 bad = lo if lo < 0 else hi
                 raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
-        plan = self.table.plan(ids_np)
-        self.row_ids += plan.n_ids
-        self.rows_read += plan.n_unique
-        return plan
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows in the weight dtype, shape ids.shape + (embedding_dim,), on the ids' device."""
+        ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
+        self._check(ids_np)
         if input_ids.device.type == "cuda":
-            return self._rows_cuda(input_ids)
-        plan = self._plan(input_ids.detach().cpu().numpy())
-        out = torch.from_numpy(self.table.gather_plan(plan, self.backend))
-        return out.to(self.weight_dtype).to(input_ids.device)
+            return self._rows_cuda(input_ids, ids_np)
+        plan = self.table.plan(ids_np)
+        self.row_ids += plan.n_ids
+        self.rows_read += plan.n_unique
+        return torch.from_numpy(self.table.gather_plan(plan, self.backend)).to(self.weight_dtype)
 
-    def _rows_cuda(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from . import dequant_gpu
+    def _rows_cuda(self, input_ids: torch.Tensor, ids_np: np.ndarray) -> torch.Tensor:
+        """Table.gather's GPU flavour: rows read into GPU memory, dequantized by the CUDA kernel on the current
+        stream straight into the weight dtype."""
         t = self.table
+        if self.device_backend is None:
+            self.device_backend = resolve_device(self.backend, t.config, window_bytes=t._typical_window(),
+                                                 gds_faster=t._gds_faster)
+        self.row_ids += ids_np.size
+        self.rows_read += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):
-            stream = torch.cuda.current_stream(input_ids.device)
-            plan = self._plan(input_ids.detach().cpu().numpy())       # planned on the host: one copy down
-            if plan.n_ids == 0:
-                return torch.empty(tuple(input_ids.shape) + (self.embedding_dim,), dtype=self.weight_dtype,
-                                   device=input_ids.device)
-            if self.device_backend is None:
-                self.device_backend = resolve_device(self.backend, t.config, window_bytes=t._typical_window(),
-                                                     gds_faster=t._gds_faster)
-            staging, offs = t.fetch_device(plan, self.backend, stream)
-            inv = torch.as_tensor(plan.inverse.reshape(plan.shape), device=input_ids.device)
-            return dequant_gpu.gather_rows(staging, offs, inv, t.qtype, t.row_elems,
-                                           dtype=str(self.weight_dtype).replace("torch.", ""), stream=stream)
+            return t.gather(input_ids, self.backend, dtype=self.weight_dtype,
+                            stream=torch.cuda.current_stream(input_ids.device))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.rows(input_ids) * self.embed_scale.to(self.weight_dtype)
@@ -334,6 +330,27 @@ def _tokenizer(model_dir: Path):
     return _HFTokenizer(AutoTokenizer.from_pretrained(model_dir))
 
 
+@contextlib.contextmanager
+def _timed(module, device):
+    """Accumulate the wall time spent in `module`'s forward into the yielded one-element list."""
+    spent = [0.0]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def pre(*_):
+        sync()
+        spent.append(time.perf_counter())
+
+    def post(*_):
+        sync()
+        spent[0] += time.perf_counter() - spent.pop()
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield spent
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _prefill_once(model, ids: torch.Tensor, ubatch: int) -> tuple[float, torch.Tensor]:
     """A chunked prefill through the KV cache: (seconds, the last position's logits)."""
     from transformers import DynamicCache
@@ -392,13 +409,16 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
                 f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}")
             log(f"backend   {handle.backend}: {handle.why}")
         times = {"resident": [], "offloaded": []}
+        ple = {"resident": [], "offloaded": []}         # seconds inside the per-layer embedding module
         logits = {}
         order = ["resident", "offloaded"] * (repeat + 1)
         for i, which in enumerate(tqdm(order, desc="A/B", disable=not progress, leave=False)):
             handle.use(which)
-            s, logits[which] = _prefill_once(model, ids, ubatch)
+            with _timed(model.get_per_layer_input_embeddings(), ids.device) as spent:
+                s, logits[which] = _prefill_once(model, ids, ubatch)
             if i >= 2:                      # the first pair is the warm-up
                 times[which].append(s)
+                ple[which].append(spent[0])
         rows0, ids0 = handle.rows_read, handle.row_ids
         freed = handle.release()
         params1 = parameter_bytes(model)
@@ -411,6 +431,8 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
             "repeat": repeat, "tok_per_s_resident": tps["resident"], "tok_per_s_offloaded": tps["offloaded"],
             "offloaded_vs_resident": tps["offloaded"] / tps["resident"],
             "seconds_resident": times["resident"], "seconds_offloaded": times["offloaded"],
+            "ple_seconds_resident": statistics.median(ple["resident"]),
+            "ple_seconds_offloaded": statistics.median(ple["offloaded"]),
             "logits_equal": bool(torch.equal(logits["resident"], logits["offloaded"])),
             "bytes_freed": freed, "parameter_bytes_before": params0, "parameter_bytes_after": params1,
             "row_ids_per_run": ids0 // runs, "rows_read_per_run": rows0 // runs, **{
@@ -420,6 +442,8 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
         log(f"resident  {tps['resident']:,.0f} tok/s (median of {repeat}; table in memory)")
         log(f"offloaded {tps['offloaded']:,.0f} tok/s = {res['offloaded_vs_resident']:.2f}x resident; "
             f"last-token logits {'equal' if res['logits_equal'] else 'differ'} (torch.equal)")
+        log(f"PLE step  {res['ple_seconds_resident'] * 1e3:,.1f} ms resident, {res['ple_seconds_offloaded'] * 1e3:,.1f} "
+            f"ms offloaded per prefill (inside the per-layer embedding module; the rest is the trunk)")
         log(f"rows      {res['row_ids_per_run']:,} row ids per prefill, {res['rows_read_per_run']:,} unique rows read "
             f"({_size(res['rows_read_per_run'] * t.row_bytes)})")
         log(f"memory    {freed:,} B freed ({_size(freed)}): parameters {params0:,} -> {params1:,} B")

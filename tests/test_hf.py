@@ -261,12 +261,13 @@ def test_cli_prefill_hf(models, tmp_path, capsys):
     assert res["parameter_bytes_before"] - res["parameter_bytes_after"] == w
     assert res["row_ids_per_run"] == 96 and 0 < res["rows_read_per_run"] <= 96
     assert res["tok_per_s_resident"] > 0 and res["tok_per_s_offloaded"] > 0 and res["backend"]
+    assert 0 < res["ple_seconds_offloaded"] < min(res["seconds_offloaded"])
     gguf = tmp_path / "t.gguf"
     assert main(["convert", str(path), "-o", str(gguf), "-q"]) == 0
     capsys.readouterr()
     assert main(["prefill", "--hf", str(path), "--table", str(gguf), "--tokens", "40", "--ubatch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "logits equal" in out and f"{w:,} B freed" in out and "tok/s" in out
+    assert "logits equal" in out and f"{w:,} B freed" in out and "tok/s" in out and "PLE step" in out
     assert main(["convert", str(path), "-o", str(tmp_path / "k.gguf"), "--qtype", "Q6_K"]) == 2
     assert "no quantizer for Q6_K" in capsys.readouterr().err
 
