@@ -194,6 +194,26 @@ def test_sharded_checkpoint(tmp_path):
         _check_equal(ref, model, h, _ids(4))
 
 
+def test_padded_gemma3n_gguf(models, tmp_path):
+    """llama.cpp pads Gemma 3n's table (262,144 -> 262,400 rows): accepted, ids past the vocabulary refused."""
+    from gguf import GGUFWriter
+    path = models["gemma3n", "float32"]
+    w = load(path).get_per_layer_input_embeddings().weight.detach().numpy()
+    out = tmp_path / "padded.gguf"
+    gw = GGUFWriter(str(out), "gemma3n")
+    gw.add_tensor("per_layer_token_embd.weight", np.concatenate([w, np.zeros((16, w.shape[1]), np.float32)]))
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    ref, model = load(path), load(path)
+    with offload_per_layer_embeddings(model, out) as h:
+        assert h.table.n_rows == VOCAB + 16
+        _check_equal(ref, model, h, _ids(8))
+        with pytest.raises(BadIdsError, match=f"out of range \\[0, {VOCAB}\\)"):
+            model.get_per_layer_input_embeddings()(torch.tensor([[3, VOCAB + 2]]))
+
+
 def test_mismatches_are_clear(models, tmp_path):
     path = models["gemma4", "float32"]
     # a model without per-layer embeddings
