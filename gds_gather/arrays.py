@@ -1,6 +1,12 @@
 """Array kinds (numpy, torch CPU, torch CUDA, cupy) and zero-copy conversion between them, imported lazily."""
 from __future__ import annotations
 
+from .errors import GatherError
+
+
+class BadDtypeError(GatherError, TypeError):
+    """An output dtype gds_gather cannot produce (the message names the accepted ones)."""
+
 
 def kind(x) -> str:
     """'numpy', 'torch' (CPU tensor), 'torch-cuda', or 'cupy', without importing torch or cupy."""
@@ -68,14 +74,23 @@ OUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def dtype_name(dtype) -> str:
-    """'float32', 'float16' or 'bfloat16' from a numpy/torch dtype or a name; TypeError otherwise."""
-    name = str(dtype).replace("torch.", "")
+    """'float32', 'float16' or 'bfloat16' from a numpy/torch dtype or a name; BadDtypeError (a GatherError and a
+    TypeError) naming the accepted dtypes otherwise."""
+    try:
+        name = str(dtype).replace("torch.", "")
+    except Exception:         # an object whose __str__ fails is no dtype either
+        name = ""
     if name not in OUT_DTYPES:
         try:
             import numpy as np
             name = np.dtype(dtype).name
-        except TypeError:
+        except Exception:     # TypeError, ValueError, SyntaxError ("float3,2"), ...: not a dtype
             pass
     if name not in OUT_DTYPES:
-        raise TypeError(f"output dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        try:
+            what = repr(dtype)
+        except Exception:
+            what = f"an object of type {type(dtype).__name__}"
+        raise BadDtypeError(f"output dtype must be one of {', '.join(OUT_DTYPES)} (numpy, torch or by name), "
+                            f"got {what[:80]}")
     return name

@@ -76,7 +76,10 @@ def check_ids(ids, n_rows: int) -> np.ndarray:
 
     Raises BadIdsError for non-integer ids and for any id outside [0, n_rows), naming one bad value.
     """
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError) as e:      # ragged nesting ([[1, 2], [3]]) and other non-arrays
+        raise BadIdsError(f"row ids must form a rectangular integer array: {e}") from None
     if arr.size == 0:   # no value can be bad (np.asarray([]) is float64)
         return np.zeros(arr.shape, np.int64)
     if arr.dtype.kind not in "iu":
@@ -118,45 +121,101 @@ def dedup(flat: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rows[new], inverse
 
 
-def windows(start: np.ndarray, extent: int, align: int, max_gap: int = 0):
+def windows(start: np.ndarray, extent: int, align: int, max_gap: int = 0, max_window: int = 0,
+            max_waste: float | None = None):
     """Aligned, non-overlapping windows covering extents [start, start + extent) given in ascending order.
 
-    Returns (offsets, lengths, window of each extent). Each extent spans blocks [first, last]; as all extents
-    have the same size `last` is nondecreasing, so a window ends where more than max_gap unread blocks separate
-    the next extent's first block from the previous one's last (touching windows merge: one larger read,
-    no extra bytes).
+    Returns (offsets, lengths, window of each extent). Each extent spans aligned blocks [first, last]; as all
+    extents have the same size `last` is nondecreasing. Extent j joins the window of extent j - 1 when
+    - it shares an aligned block with it (always: windows never overlap), or
+    - the unread bytes between them (whole blocks; 0 when they touch) are at most `max_gap` bytes and at most
+      `max_waste` x `extent` (bytes read for nothing per useful byte the merge brings in; None: no such cap).
+    With max_window > 0 (bytes, counted in whole blocks, at least one), a merged run longer than that is cut,
+    window by window, at the last place a cut fits (between extents that share no block) before the window
+    would outgrow max_window. A window is longer only where no cut fits: one extent longer than the cap, or
+    extents packed across block boundaries (contiguous 4097-byte rows at 4096 alignment share blocks for
+    16 MiB); it then ends at the first place a cut fits. Vectorized: the gap rule in one pass, the size cap by
+    walking all long merged runs at once (one numpy step per window of the longest run).
     """
-    if start.shape[0] == 0:
+    n = start.shape[0]
+    if n == 0:
         z = np.zeros(0, np.int64)
         return z, z, z
     first = start // align
     last = (start + extent - 1) // align
-    brk = np.empty(start.shape[0], bool)
+    limit = max_gap if max_waste is None or max_waste * extent >= max_gap else int(max_waste * extent)
+    gap = first[1:] - last[:-1] - 1              # unread blocks before extent j (-1: a shared block)
+    brk = np.empty(n, bool)
     brk[0] = True
-    np.greater(first[1:], last[:-1] + (max_gap + 1), out=brk[1:])
+    np.greater(gap, limit // align, out=brk[1:])
+    if max_window > 0:
+        cap = max(1, max_window // align)         # blocks
+        heads = np.flatnonzero(brk)
+        ends = np.append(heads[1:], n)            # one past each merged run's last extent
+        long = (last[ends - 1] - first[heads] + 1) > cap
+        if long.any():
+            cut = np.empty(n + 1, bool)           # a window may start at j (no block shared with j - 1)
+            cut[0] = cut[n] = True
+            np.greater_equal(gap, 0, out=cut[1:n])
+            at = np.arange(n + 1)
+            nextcut = np.minimum.accumulate(np.where(cut, at, n)[::-1])[::-1]
+            prevcut = np.maximum.accumulate(np.where(cut, at, 0))
+            run_end = np.repeat(ends, ends - heads)
+            frontier = heads[long]
+            while frontier.size:                  # the window from h: up to the last cut at or before the first
+                far = np.searchsorted(last, first[frontier] + cap - 1, side="right")   # extent that does not fit
+                back = prevcut[np.minimum(far, n)]
+                nxt = np.where(back > frontier, back, nextcut[frontier + 1])
+                frontier = nxt[nxt < run_end[frontier]]
+                brk[frontier] = True
     heads = np.flatnonzero(brk)
-    tails = np.append(heads[1:], start.shape[0]) - 1
+    tails = np.append(heads[1:], n) - 1
     win_first = first[heads]
     return win_first * align, (last[tails] - win_first + 1) * align, np.cumsum(brk) - 1
 
 
+def split_extents(offsets: np.ndarray, lengths: np.ndarray, expect: np.ndarray, dst: np.ndarray, chunk: int):
+    """Extents cut into pieces of at most `chunk` bytes (a multiple of the alignment keeps O_DIRECT pieces
+    aligned): (offsets, lengths, expect, dst, index of each piece's extent), all int64, vectorized."""
+    k = np.maximum(1, -(-lengths // chunk))
+    src = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), k)
+    skip = (np.arange(src.shape[0], dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)) * chunk
+    ln = np.minimum(chunk, lengths[src] - skip)
+    return offsets[src] + skip, ln, np.clip(expect[src] - skip, 0, ln), dst[src] + skip, src
+
+
+def row_runs(unique_rows: np.ndarray, row_bytes: int, data_offset: int):
+    """Runs of consecutive rows as single extents for exact-row reads into compact staging:
+    (file offsets, lengths, staging offsets)."""
+    n = unique_rows.shape[0]
+    brk = np.empty(n, bool)
+    brk[:1] = True
+    np.not_equal(np.diff(unique_rows), 1, out=brk[1:])
+    heads = np.flatnonzero(brk)
+    counts = np.diff(np.append(heads, n))
+    return data_offset + unique_rows[heads] * row_bytes, counts * row_bytes, heads * row_bytes
+
+
 def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int = 4096,
-              max_gap: int = 0) -> ReadPlan:
+              max_gap: int = 0, max_window: int = 0, max_waste: float | None = None) -> ReadPlan:
     """Plan the reads for `ids` (any shape) of a table of `n_rows` rows of `row_bytes` at `data_offset`.
 
-    align:   window alignment (the file's logical block size for O_DIRECT), a power of two.
-    max_gap: merge two windows when at most this many unread aligned blocks separate them
-             (0: merge only windows that touch or share a block).
+    align:      window alignment (the file's logical block size for O_DIRECT), a power of two.
+    max_gap:    merge two windows when at most this many unread BYTES (whole aligned blocks) separate them
+                (0: merge only windows that touch or share a block).
+    max_window: cap on a window's bytes (0: none); see `windows` for when a window may still exceed it.
+    max_waste:  a gap is bridged only if it is at most max_waste x row_bytes (None: no such cap).
     """
     if align <= 0 or align & (align - 1):
         raise ValueError(f"align must be a positive power of two, got {align}")
-    if row_bytes <= 0 or n_rows < 0 or data_offset < 0 or max_gap < 0:
-        raise ValueError("row_bytes must be > 0; n_rows, data_offset, max_gap >= 0")
+    if row_bytes <= 0 or n_rows < 0 or data_offset < 0 or max_gap < 0 or max_window < 0 \
+            or (max_waste is not None and not max_waste >= 0):
+        raise ValueError("row_bytes must be > 0; n_rows, data_offset, max_gap, max_window, max_waste >= 0")
     arr = check_ids(ids, n_rows)
     unique, inverse = dedup(arr.ravel(), n_rows)
 
     start = data_offset + unique * row_bytes
-    win_offsets, win_lengths, row_window = windows(start, row_bytes, align, max_gap)
+    win_offsets, win_lengths, row_window = windows(start, row_bytes, align, max_gap, max_window, max_waste)
     win_staging = np.zeros_like(win_lengths)
     if win_lengths.shape[0]:
         np.cumsum(win_lengths[:-1], out=win_staging[1:])

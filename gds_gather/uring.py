@@ -4,6 +4,13 @@ One thread submits many reads with one `io_uring_enter`; numpy fills the mmapped
 completion ring a batch at a time, so no Python runs per read. Short reads are resubmitted for the remainder,
 -EINTR/-EAGAIN are retried, and any other error or an unexpected end of file raises ReadError naming the file
 and offset.
+
+Faults never leave reads behind: whatever leaves `read` early (a ReadError on a bad completion, a signal handler
+raising KeyboardInterrupt or a timeout while it waits in io_uring_enter) first drains the ring, that is takes
+back the entries not yet submitted and reaps every completion of the reads in flight (their count is read from
+the ring indices themselves, so it is right whatever line the exception interrupted). A ring that cannot be
+drained is marked broken and every later use raises ReadError. Extents of any size are split at submission into
+aligned pieces of at most MAX_CHUNK bytes (the 32-bit SQE length; Linux caps one read at 0x7ffff000 bytes).
 """
 from __future__ import annotations
 
@@ -14,18 +21,23 @@ import mmap
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
 from .errors import ReadError
+from .planner import split_extents
 
 SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427        # the same numbers on x86-64 and arm64
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
 OP_READ_FIXED, OP_READ = 4, 22
-FEAT_SINGLE_MMAP = 1
-ENTER_GETEVENTS = 1
+FEAT_SINGLE_MMAP, FEAT_EXT_ARG = 1, 1 << 8
+ENTER_GETEVENTS, ENTER_EXT_ARG = 1, 8
 REGISTER_BUFFERS, REGISTER_FILES = 0, 2
 SQE_FIXED_FILE = 1
+MAX_CHUNK = 0x7FFFF000      # the most one read returns on Linux (MAX_RW_COUNT), well inside the 32-bit SQE length
+U32 = 0xFFFFFFFF
+DRAIN_TRIES = 64            # exceptions tolerated while draining (signals arriving again) before giving up
 
 SQE = np.dtype({"names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data",
                           "buf_index"],
@@ -41,6 +53,15 @@ class _Params(ctypes.Structure):
                 ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
                 ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
                 ("sq_off", ctypes.c_uint32 * 10), ("cq_off", ctypes.c_uint32 * 10)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_long)]
+
+
+class _GeteventsArg(ctypes.Structure):      # struct io_uring_getevents_arg
+    _fields_ = [("sigmask", ctypes.c_uint64), ("sigmask_sz", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("ts", ctypes.c_uint64)]
 
 
 class _Iovec(ctypes.Structure):
@@ -87,13 +108,37 @@ def probe() -> tuple[bool, str]:
     return True, "io_uring available"
 
 
+def _release(fd: int, maps: list) -> None:
+    """Close a ring's mappings and fd (Ring.close, or the finalizer of a Ring that was never closed)."""
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:   # numpy views still exist (the finalizer runs before they die): refcounting unmaps
+            pass
+    maps.clear()
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class Ring:
-    """One io_uring instance of `depth` entries. Not thread-safe: a second concurrent user raises clearly."""
+    """One io_uring instance of `depth` entries. Not thread-safe: a second concurrent user raises clearly.
+
+    Released when closed or when collected (weakref.finalize); a ring inherited through fork() is refused in the
+    child (its mappings are shared with the parent), see `foreign`.
+    """
+
+    max_chunk = MAX_CHUNK      # tests lower it to exercise the splitting of large extents
 
     def __init__(self, depth: int = 128):
         p = _Params()
         self.fd = _sys(SYS_SETUP, ctypes.c_uint32(depth), ctypes.byref(p))
         self._maps = []
+        self._fin = weakref.finalize(self, _release, self.fd, self._maps)
+        self.pid = os.getpid()
+        self.features = p.features
+        self._sq_tail = None
         try:
             sq, cq = list(p.sq_off), list(p.cq_off)
             sq_size = sq[6] + p.sq_entries * 4
@@ -105,12 +150,14 @@ class Ring:
             cq_map = sq_map if p.features & FEAT_SINGLE_MMAP else mmap.mmap(self.fd, cq_size, flags, prot,
                                                                               offset=OFF_CQ_RING)
             sqe_map = mmap.mmap(self.fd, p.sq_entries * SQE.itemsize, flags, prot, offset=OFF_SQES)
-            self._maps = [m for m in {id(x): x for x in (sq_map, cq_map, sqe_map)}.values()]
+            self._maps.extend({id(x): x for x in (sq_map, cq_map, sqe_map)}.values())
             u32 = lambda m, off, n=1: np.frombuffer(m, np.uint32, n, off)   # noqa: E731
-            self._sq_head, self._sq_tail, self._sq_mask = u32(sq_map, sq[0]), u32(sq_map, sq[1]), int(u32(sq_map, sq[2])[0])
+            self._sq_head, self._sq_tail = u32(sq_map, sq[0]), u32(sq_map, sq[1])
+            self._sq_mask = int(u32(sq_map, sq[2])[0])
             self.sq_entries = p.sq_entries
             u32(sq_map, sq[6], p.sq_entries)[:] = np.arange(p.sq_entries, dtype=np.uint32)  # identity SQ array
-            self._cq_head, self._cq_tail, self._cq_mask = u32(cq_map, cq[0]), u32(cq_map, cq[1]), int(u32(cq_map, cq[2])[0])
+            self._cq_head, self._cq_tail = u32(cq_map, cq[0]), u32(cq_map, cq[1])
+            self._cq_mask = int(u32(cq_map, cq[2])[0])
             self._cq_overflow = u32(cq_map, cq[4])
             self.cq_entries = p.cq_entries
             self._cqes = np.frombuffer(cq_map, CQE, p.cq_entries, cq[5])
@@ -124,6 +171,21 @@ class Ring:
         self.files_registered = False
         self.inject = None     # tests: callable(res int32[k], user_data[k]) -> res, applied to completions
         self.enters = 0
+        self.broken = ""       # why this ring refuses further use ("" while it is usable)
+        self.drains = 0        # faults after which the ring was drained
+        self.drained = 0       # entries taken back or completions reaped by those drains (reads a fault left behind)
+
+    # -- state read from the ring itself ---------------------------------------------------------------------
+    @property
+    def foreign(self) -> bool:
+        """True in a child process that inherited this ring through fork(): its rings are the parent's."""
+        return self.pid != os.getpid()
+
+    def outstanding(self) -> tuple[int, int]:
+        """(entries placed in the submission ring but not yet taken by the kernel, reads taken whose completion
+        has not been reaped). Every read posts exactly one completion, so both come from the ring indices."""
+        tail, head, chead = int(self._sq_tail[0]), int(self._sq_head[0]), int(self._cq_head[0])
+        return (tail - head) & U32, (head - chead) & U32
 
     # -- registration --------------------------------------------------------------------------------------
     def register_buffer(self, buf: np.ndarray) -> bool:
@@ -160,26 +222,121 @@ class Ring:
         Keeps up to `queue_depth` reads in flight. expect[i] (default lengths[i]) is how many bytes the file
         holds there (less than an O_DIRECT window that runs past the end of the file): a read returning 0
         bytes before that is an unexpected end of file. A short read resumes at the last `align`ed byte.
+        Extents longer than `max_chunk` are read as aligned pieces of at most that size.
         lat_ns (optional, int64 [n]): filled with each extent's latency in ns as this thread sees it, from just
         before the io_uring_enter that first submits it to the return of the one that reaps its last completion
         (benchmarks; stamped per batch with numpy, nothing is done when it is None).
+        Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
         """
         if not self._lock.acquire(blocking=False):
             raise ReadError(f"{path}: this reader is already reading in another thread; "
                             "use one reader (one Table) per thread")
         try:
+            self._check_usable(path)
+            offsets = np.asarray(offsets, np.int64)
             lengths = np.asarray(lengths, np.int64)
-            self._read(fd, np.asarray(offsets, np.int64), lengths, np.asarray(addrs, np.uint64),
-                       lengths if expect is None else np.asarray(expect, np.int64), int(align), path,
-                       min(queue_depth or self.sq_entries, self.sq_entries), lat_ns)
+            addrs = np.asarray(addrs, np.uint64)
+            expect = lengths if expect is None else np.asarray(expect, np.int64)
+            n = offsets.shape[0]
+            if lat_ns is not None and (lat_ns.shape != (n,) or lat_ns.dtype != np.int64):
+                raise ValueError(f"lat_ns must be int64 of shape ({n},), got {lat_ns.dtype} {lat_ns.shape}")
+            lat, src = lat_ns, None
+            if n and int(lengths.max()) > self.max_chunk:
+                chunk = max(int(align), self.max_chunk // int(align) * int(align))
+                offsets, lengths, expect, dst, src = split_extents(offsets, lengths, expect,
+                                                                   addrs.view(np.int64), chunk)
+                addrs = dst.view(np.uint64)
+                lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
+            try:
+                self._read(fd, offsets, lengths, addrs, expect, int(align), path,
+                           min(queue_depth or self.sq_entries, self.sq_entries), lat)
+            except BaseException:
+                self._drain(path)      # the original exception goes on; a second one met while draining is dropped
+                raise
+            if src is not None and lat_ns is not None:
+                lat_ns[:] = 0
+                np.maximum.at(lat_ns, src, lat)
         finally:
             self._lock.release()
+
+    def _check_usable(self, path) -> None:
+        if self.fd < 0 or self._sq_tail is None:
+            raise ReadError(f"{path}: the io_uring ring is closed")
+        if self.foreign:
+            raise ReadError(f"{path}: this io_uring ring was created in process {self.pid} and inherited through "
+                            "fork(); reopen the table in this process")
+        if self.broken:
+            raise ReadError(f"{path}: the reader is unusable after an earlier fault ({self.broken}); "
+                            "reopen the table")
+        if any(self.outstanding()):     # an exception escaped between two steps of an earlier drain
+            late = self._drain(path)
+            if self.broken:
+                raise ReadError(f"{path}: the reader is unusable after an earlier fault ({self.broken}); "
+                                "reopen the table")
+            if late is not None:
+                raise late
+
+    def _drain(self, path, timeout_s: float = 60.0):
+        """Back to a clean ring after a fault: take back the entries the kernel has not taken, then reap the
+        completion of every read in flight. Returns an exception that arrived meanwhile (a signal handler raising
+        again), or None; marks the ring broken if it cannot be drained."""
+        if self.foreign or self.fd < 0 or self._sq_tail is None:
+            return None
+        late = None
+        deadline = time.monotonic() + timeout_s
+        for _ in range(DRAIN_TRIES):
+            try:
+                self._drain_once(deadline)
+                self.drains += 1
+                return late
+            except OSError as e:
+                self.broken = f"io_uring_enter failed while reaping the reads in flight: {e}"
+                return late
+            except TimeoutError:
+                self.broken = f"reads still in flight {timeout_s:.0f} s after a fault"
+                return late
+            except BaseException as e:      # KeyboardInterrupt or another handler's exception: keep draining
+                late = late or e
+        self.broken = "interrupted too often while reaping the reads in flight"
+        return late
+
+    def _drain_once(self, deadline: float) -> None:
+        unsubmitted, _ = self.outstanding()
+        if unsubmitted:        # no SQPOLL: the kernel reads the submission ring only inside io_uring_enter
+            self._sq_tail[0] = self._sq_head[0]
+            self.drained += unsubmitted
+        while True:
+            _, inflight = self.outstanding()
+            if inflight == 0:
+                return
+            ready = (int(self._cq_tail[0]) - int(self._cq_head[0])) & U32
+            if ready < inflight:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                self._wait(inflight - ready)
+            full_barrier()
+            tail = int(self._cq_tail[0])
+            self.drained += (tail - int(self._cq_head[0])) & U32
+            self._cq_head[0] = tail
+
+    def _wait(self, n: int) -> None:
+        """io_uring_enter waiting for n completions, for at most about a second where the kernel allows a timeout."""
+        if self.features & FEAT_EXT_ARG:
+            ts = _Timespec(1, 0)
+            arg = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
+            try:
+                _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n),
+                     ctypes.c_uint(ENTER_GETEVENTS | ENTER_EXT_ARG), ctypes.byref(arg), ctypes.c_size_t(24))
+            except OSError as e:
+                if e.errno not in (errno.ETIME, errno.EAGAIN):
+                    raise
+            return
+        _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n), ctypes.c_uint(ENTER_GETEVENTS),
+             None, ctypes.c_size_t(0))
 
     def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None) -> None:
         n = offsets.shape[0]
         if lat is not None:
-            if lat.shape != (n,) or lat.dtype != np.int64:
-                raise ValueError(f"lat_ns must be int64 of shape ({n},), got {lat.dtype} {lat.shape}")
             first = np.zeros(n, np.int64)      # time of each extent's first submission
         got = np.zeros(n, np.int64)
         todo = np.arange(n, dtype=np.int64)
@@ -271,18 +428,13 @@ class Ring:
             retry.append(short)
 
     def close(self) -> None:
+        if getattr(self, "_cqes", None) is not None and not self.foreign and self.fd >= 0:
+            self._drain("?")
         # drop every numpy view of the rings first, so the mappings can be unmapped now
         self._sq_head = self._sq_tail = self._cq_head = self._cq_tail = self._cq_overflow = None
         self._cqes = self._sqes = None
-        for m in getattr(self, "_maps", []):
-            try:
-                m.close()
-            except BufferError:
-                pass
-        self._maps = []
-        if getattr(self, "fd", -1) >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._fin()
+        self.fd = -1
 
     def __enter__(self):
         return self

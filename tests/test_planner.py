@@ -6,6 +6,7 @@ different numpy routine), never against the planner's own arithmetic.
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 import warnings
 
@@ -40,7 +41,10 @@ SPECIAL_ROW_BYTES = (1, 2, 90, 170, 511, 512, 513, 4095, 4096, 4097, 7392, 8192,
 
 row_bytes_st = st.one_of(st.sampled_from(SPECIAL_ROW_BYTES), st.integers(1, 20000))
 align_st = st.sampled_from(ALIGNS)
-max_gap_st = st.integers(0, 3)
+# max_gap is in BYTES: whole numbers of blocks, odd byte counts, and wide gaps
+max_gap_st = st.one_of(st.just(0), st.integers(0, 3).map(lambda k: k * 4096), st.integers(0, 300_000))
+max_window_st = st.one_of(st.just(0), st.sampled_from([1, 512, 4096, 8192, 65536, 1 << 20]), st.integers(1, 1 << 21))
+max_waste_st = st.one_of(st.none(), st.sampled_from([0.0, 1.0, 16.0]), st.floats(0, 100))
 
 
 @st.composite
@@ -99,30 +103,52 @@ def geometries(draw, max_table_bytes=None):
     max_gap = draw(max_gap_st)
     ids = draw(id_arrays(n_rows))
     return dict(ids=ids, n_rows=n_rows, row_bytes=row_bytes, data_offset=data_offset, align=align,
-                max_gap=max_gap)
+                max_gap=max_gap, max_window=draw(max_window_st), max_waste=draw(max_waste_st))
+
+
+CAPS = ("max_gap", "max_window", "max_waste")
 
 
 def _plan(g) -> ReadPlan:
     return plan_rows(g["ids"], n_rows=g["n_rows"], row_bytes=g["row_bytes"], data_offset=g["data_offset"],
-                     align=g["align"], max_gap=g["max_gap"])
+                     align=g["align"], **{k: g.get(k, plan_rows.__kwdefaults__[k]) for k in CAPS})
 
 
 # ------------------------------------------------------------------------------------------ reference model
 
-def ref_windows(rows, row_bytes, data_offset, align, max_gap):
-    """Plain-Python windows by definition: rows in file order; a row opens a new window when more than
-    `max_gap` unread aligned blocks separate its first block from the last block of the previous row.
-    Returns [[first_block, last_block, [rows...]], ...]."""
-    wins = []
-    for r in rows:
-        start = data_offset + r * row_bytes
-        first = start // align
-        last = (start + row_bytes - 1) // align
-        if wins and first - wins[-1][1] - 1 <= max_gap:
-            wins[-1][1] = max(wins[-1][1], last)
-            wins[-1][2].append(r)
+def ref_windows(rows, row_bytes, data_offset, align, max_gap, max_window=0, max_waste=None):
+    """Plain-Python windows by definition. Rows in file order form runs: a row joins the run of the row before
+    when it shares an aligned block with it, or when the unread bytes between them (whole blocks) are at most
+    max_gap and at most max_waste * row_bytes. With max_window (whole blocks, at least one) a run is cut window
+    by window: a window ends at the last row boundary where no block is shared ("a cut") before its first row
+    that does not fit, or, if there is no such cut, at the first cut after. Returns [[first_block,
+    last_block, [rows...]], ...]."""
+    limit = max_gap if max_waste is None else min(max_gap, math.floor(max_waste * row_bytes))
+    cap = max(1, max_window // align) if max_window else None
+    span = [((data_offset + r * row_bytes) // align, (data_offset + r * row_bytes + row_bytes - 1) // align)
+            for r in rows]
+    runs, wins = [], []
+    for i in range(len(rows)):
+        gap = span[i][0] - span[i - 1][1] - 1 if i else None
+        if i and (gap < 0 or gap * align <= limit):
+            runs[-1].append(i)
         else:
-            wins.append([first, last, [r]])
+            runs.append([i])
+    for run in runs:
+        k = 0
+        while k < len(run):
+            head = run[k]
+            cuts = [j for j in range(k + 1, len(run)) if span[run[j]][0] > span[run[j - 1]][1]]
+            end = len(run)
+            if cap is not None:
+                misfit = next((j for j in range(k, len(run)) if span[run[j]][1] - span[head][0] + 1 > cap), None)
+                if misfit is not None:
+                    before = [j for j in cuts if j <= misfit]
+                    after = [j for j in cuts if j > misfit]
+                    end = before[-1] if before else (after[0] if after else len(run))
+            idx = run[k:end]
+            wins.append([span[idx[0]][0], max(span[i][1] for i in idx), [rows[i] for i in idx]])
+            k = end
     return wins
 
 
@@ -130,7 +156,8 @@ def _ints(a) -> list[int]:
     return [int(x) for x in np.asarray(a).tolist()]
 
 
-def check_plan_invariants(p: ReadPlan, ids, n_rows, row_bytes, data_offset, align, max_gap):
+def check_plan_invariants(p: ReadPlan, ids, n_rows, row_bytes, data_offset, align, max_gap, max_window=0,
+                          max_waste=None):
     ids = np.asarray(ids)
     flat = [int(x) for x in ids.ravel().tolist()]
     U = sorted(set(flat))
@@ -169,11 +196,22 @@ def check_plan_invariants(p: ReadPlan, ids, n_rows, row_bytes, data_offset, alig
         assert offs[0] >= (data_offset // align) * align
         assert offs[-1] + lens[-1] <= -(-table_end // align) * align
 
-    # --- merge rule, from its definition (unread blocks between consecutive windows > max_gap)
+    # --- merge rule, from its definition: consecutive windows are apart by more than the allowed gap, or the
+    # first window would have outgrown max_window by taking the next one's first row
+    limit = max_gap if max_waste is None else min(max_gap, math.floor(max_waste * row_bytes))
+    cap = max(1, max_window // align) * align if max_window else None
+    rw = _ints(p.row_window)
     for w in range(W - 1):
         last_block_w = (offs[w] + lens[w]) // align - 1
         first_block_next = offs[w + 1] // align
-        assert first_block_next - last_block_w - 1 > max_gap
+        gap_bytes = (first_block_next - last_block_w - 1) * align
+        # the next window's first rows up to its first cut: they could only have joined this window together
+        nxt = [data_offset + U[u] * row_bytes for u in range(len(U)) if rw[u] == w + 1]
+        k = 1
+        while k < len(nxt) and nxt[k] // align == (nxt[k - 1] + row_bytes - 1) // align:
+            k += 1
+        through = ((nxt[k - 1] + row_bytes - 1) // align + 1) * align - offs[w]
+        assert gap_bytes > limit or (cap is not None and through > cap), (w, gap_bytes, limit, through, cap)
 
     # --- every unique row lies in exactly one window, the one row_window names
     rw, rs = _ints(p.row_window), _ints(p.row_staging)
@@ -188,8 +226,17 @@ def check_plan_invariants(p: ReadPlan, ids, n_rows, row_bytes, data_offset, alig
     assert all(a <= b for a, b in zip(rw, rw[1:]))
     assert sorted(set(rw)) == list(range(W))
 
+    # --- caps: inside a window, the unread bytes between rows are each <= the gap limit, and a window longer
+    # than max_window has no place a cut fits: every row after its first shares a block with the row before
+    for w in range(W):
+        rows_w = [data_offset + U[u] * row_bytes for u in range(len(U)) if rw[u] == w]
+        for a, b in zip(rows_w, rows_w[1:]):
+            assert max(0, b // align - (a + row_bytes - 1) // align - 1) * align <= limit
+            if cap is not None and lens[w] > cap:
+                assert b // align == (a + row_bytes - 1) // align, ("cap exceeded where a cut fits", w)
+
     # --- windows are exactly the reference windows (tight: first block of first row .. last block of last row)
-    ref = ref_windows(U, row_bytes, data_offset, align, max_gap)
+    ref = ref_windows(U, row_bytes, data_offset, align, max_gap, max_window, max_waste)
     assert [(o // align, (o + n) // align - 1) for o, n in zip(offs, lens)] == [(f, l) for f, l, _ in ref]
     assert [[U[u] for u in range(len(U)) if rw[u] == w] for w in range(W)] == [rows for _, _, rows in ref]
 
@@ -211,12 +258,14 @@ def check_plan_invariants(p: ReadPlan, ids, n_rows, row_bytes, data_offset, alig
 @given(geometries())
 def test_plan_invariants_random_geometry(g):
     p = _plan(g)
-    check_plan_invariants(p, g["ids"], g["n_rows"], g["row_bytes"], g["data_offset"], g["align"], g["max_gap"])
+    check_plan_invariants(p, g["ids"], g["n_rows"], g["row_bytes"], g["data_offset"], g["align"], g["max_gap"],
+                          g["max_window"], g["max_waste"])
 
 
 @FEW
-@given(st.integers(0, 2**32 - 1), row_bytes_st, align_st, max_gap_st, st.integers(0, 10**6))
-def test_plan_invariants_large_batches(seed, row_bytes, align, max_gap, data_offset):
+@given(st.integers(0, 2**32 - 1), row_bytes_st, align_st, max_gap_st, st.integers(0, 10**6), max_window_st,
+       max_waste_st)
+def test_plan_invariants_large_batches(seed, row_bytes, align, max_gap, data_offset, max_window, max_waste):
     """Bigger batches (thousands of ids) than hypothesis draws element by element, checked vectorized."""
     rng = np.random.default_rng(seed)
     n_rows = int(rng.integers(1, 5001))
@@ -227,13 +276,13 @@ def test_plan_invariants_large_batches(seed, row_bytes, align, max_gap, data_off
         ids = np.minimum(lo + rng.integers(0, 300, size=n), n_rows - 1)
     ids = ids.reshape(-1, 2) if n % 2 == 0 and rng.random() < 0.5 else ids
     p = plan_rows(ids, n_rows=n_rows, row_bytes=row_bytes, data_offset=data_offset, align=align,
-                  max_gap=max_gap)
+                  max_gap=max_gap, max_window=max_window, max_waste=max_waste)
     uniq, inv = np.unique(ids, return_inverse=True)
     np.testing.assert_array_equal(p.unique_rows, uniq)
     np.testing.assert_array_equal(p.unique_rows[p.inverse], ids.ravel())
     assert p.shape == ids.shape
     # windows against the plain-Python reference
-    ref = ref_windows(_ints(uniq), row_bytes, data_offset, align, max_gap)
+    ref = ref_windows(_ints(uniq), row_bytes, data_offset, align, max_gap, max_window, max_waste)
     np.testing.assert_array_equal(p.win_offsets, [f * align for f, _, _ in ref])
     np.testing.assert_array_equal(p.win_lengths, [(l - f + 1) * align for f, l, _ in ref])
     np.testing.assert_array_equal(p.win_staging, np.concatenate([[0], np.cumsum(p.win_lengths)[:-1]]))
@@ -330,8 +379,8 @@ def test_last_row_ending_exactly_at_table_end(row_bytes, data_offset, align):
 
 def test_merge_rule_examples():
     # 4096-B rows at an aligned offset: row r is block r.
-    def wins(ids, max_gap):
-        p = plan_rows(ids, n_rows=64, row_bytes=4096, data_offset=0, align=4096, max_gap=max_gap)
+    def wins(ids, max_gap):       # max_gap in blocks of 4096 here, passed in bytes
+        p = plan_rows(ids, n_rows=64, row_bytes=4096, data_offset=0, align=4096, max_gap=max_gap * 4096)
         return [(int(o) // 4096, int(n) // 4096) for o, n in zip(p.win_offsets, p.win_lengths)]
 
     # same block shared by two rows always merges (90-B rows 0 and 1 share block 0)
@@ -345,15 +394,58 @@ def test_merge_rule_examples():
     assert wins([0, 3], 1) == [(0, 1), (3, 1)]
     assert wins([0, 3], 2) == [(0, 4)]
     # merged windows also read the unread block in between, and staging follows
-    p = plan_rows([2, 0], n_rows=64, row_bytes=4096, data_offset=0, align=4096, max_gap=3)
+    p = plan_rows([2, 0], n_rows=64, row_bytes=4096, data_offset=0, align=4096, max_gap=3 * 4096)
     assert _ints(p.row_staging) == [0, 8192] and p.window_bytes == 3 * 4096
 
 
-def test_max_gap_counts_unread_blocks():
+def test_max_gap_counts_unread_bytes():
     p = plan_rows([0, 1], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=0)
     assert p.n_windows == 1 and p.window_bytes == 8192
-    p = plan_rows([0, 2], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=1)
+    p = plan_rows([0, 2], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=4095)    # a block is 4096
+    assert p.n_windows == 2 and p.window_bytes == 2 * 4096
+    p = plan_rows([0, 2], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=4096)
     assert p.n_windows == 1 and p.window_bytes == 3 * 4096
+    # at 512-byte alignment, 4096 bytes are 8 blocks: 90-byte rows 8 blocks apart merge, 9 blocks apart do not
+    p = plan_rows([0, 9 * 512 // 90 + 1], n_rows=100, row_bytes=90, data_offset=0, align=512, max_gap=4096)
+    assert p.n_windows == 1
+    p = plan_rows([0, 1000 // 90 * 9], n_rows=1000, row_bytes=90, data_offset=0, align=512, max_gap=4096)
+    assert p.n_windows == 2
+
+
+def test_gap_in_bytes_and_caps_bound_the_issue_case():
+    """The issue's case: GDS_GATHER_MAX_GAP=4096 at 512-B alignment planned one 321 MB window for 1,000 random
+    90-B rows of a 5.4 GB table, and 1 MiB one 5.4 GB window. Now the gap is in bytes and the caps hold."""
+    n_rows = 60_000_000
+    ids = np.random.default_rng(0).integers(0, n_rows, 1000)
+    for gap in (4096, 1 << 20):
+        p = plan_rows(ids, n_rows=n_rows, row_bytes=90, data_offset=12345, align=512, max_gap=gap,
+                      max_window=1 << 20, max_waste=16.0)
+        assert int(p.win_lengths.max()) <= 1 << 20
+        # per row: at most its own two blocks plus a bridged gap of at most 16 x 90 bytes (whole blocks: 1,024)
+        assert p.window_bytes <= p.n_unique * (2 * 512 + 1024), p.summary()
+    p = plan_rows(np.arange(0, 2_000_000), n_rows=n_rows, row_bytes=90, data_offset=0, align=512,
+                  max_window=1 << 20)
+    assert p.n_windows >= 171 and int(p.win_lengths.max()) <= 1 << 20      # 180 MB of contiguous rows
+
+
+def test_window_cap_is_exceeded_only_where_no_cut_fits():
+    # contiguous 4097-byte rows at 4096 alignment share a block with their neighbour for 4096 rows (16 MiB)
+    p = plan_rows(np.arange(100), n_rows=5000, row_bytes=4097, data_offset=0, align=4096, max_window=65536)
+    assert p.n_windows == 1
+    # 4096-byte rows never share blocks: 16 rows per 64 KiB window
+    p = plan_rows(np.arange(100), n_rows=5000, row_bytes=4096, data_offset=0, align=4096, max_window=65536)
+    assert _ints(p.win_lengths) == [65536] * 6 + [4 * 4096]
+    # one row larger than the cap is a window of its own
+    p = plan_rows([0, 1, 2], n_rows=3, row_bytes=25 * 4096, data_offset=0, align=4096, max_window=65536)
+    assert _ints(p.win_lengths) == [25 * 4096] * 3
+
+
+def test_waste_cap_limits_bridged_gaps():
+    # 4096-B rows 0 and 2: the gap is one block (4096 B); bridged only if max_waste x 4096 >= 4096
+    assert plan_rows([0, 2], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=1 << 20,
+                     max_waste=1.0).n_windows == 1
+    assert plan_rows([0, 2], n_rows=4, row_bytes=4096, data_offset=0, align=4096, max_gap=1 << 20,
+                     max_waste=0.99).n_windows == 2
 
 
 def test_zero_d_ids():
@@ -470,7 +562,8 @@ def test_bad_align_raises_value_error(align):
 
 
 @pytest.mark.parametrize("kw", [dict(row_bytes=0), dict(row_bytes=-90), dict(n_rows=-1), dict(data_offset=-1),
-                                dict(max_gap=-1)])
+                                dict(max_gap=-1), dict(max_window=-1), dict(max_waste=-0.5),
+                                dict(max_waste=float("nan"))])
 def test_bad_geometry_raises_value_error(kw):
     args = dict(n_rows=10, row_bytes=90, data_offset=0, align=4096, max_gap=0)
     args.update(kw)
@@ -568,3 +661,11 @@ def test_bench_planner_runs_tiny():
     assert q["plan_ms"]["median"] > 0 and q["np_unique_ms"]["median"] > 0 and q["ratio"] > 0
     assert res["gemma4_e4b"]["plan"]["ids"] == 500
     assert res["target"]["verdict"] in ("PASS", "FAIL", "N/A")
+
+
+@pytest.mark.parametrize("ids", [[[1, 2], [3]], [[1], 2], [[[0]], [1, 2]], [1, [2, 3]]])
+def test_ragged_ids_raise_bad_ids_error(ids):
+    with pytest.raises(BadIdsError, match="rectangular"):
+        check_ids(ids, 10)
+    with pytest.raises(BadIdsError):
+        plan_rows(ids, n_rows=10, row_bytes=90, data_offset=0)

@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather import native, readers, uring
@@ -31,6 +33,13 @@ def table_file(tmp_path, ggufs, qtype, width, n_rows, seed=0, at_eof=True):
             end = t.data_offset + t.n_bytes
         os.truncate(p, end)
     return p, rows
+
+
+def engine_only(**kw) -> gg.Config:
+    """The engine alone: no row cache and no copies out of the page cache (where this version has them), so that
+    injected faults meet real reads."""
+    fields = gg.Config.__dataclass_fields__
+    return gg.Config(**{k: 0 for k in ("cache_bytes", "page_cache_reads") if k in fields and k not in kw}, **kw)
 
 
 def engine_configs():
@@ -130,7 +139,7 @@ class TestUringFaults:
             res[first & (idx % 2 == 0)] = -errno.EINTR
             res[first & (idx % 2 == 1)] = -errno.EAGAIN
             return res
-        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+        with gg.open_table(small_table, config=engine_only(engine="uring")) as t:
             r = _direct(t, "uring")
             r.inject = inject
             ids = np.arange(0, t.n_rows, 7)
@@ -145,14 +154,14 @@ class TestUringFaults:
             if calls["n"] <= 2:           # the first completions claim half (block-aligned down) of what came
                 res = np.where(res > 1024, res // 2, res)
             return res
-        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+        with gg.open_table(small_table, config=engine_only(engine="uring")) as t:
             r = _direct(t, "uring")
             r.inject = inject
             ids = np.arange(t.n_rows)
             np.testing.assert_array_equal(t.gather(ids, "direct"), ggufs.reference(small_table)[ids])
 
     def test_eio_raises_naming_file_and_offset(self, small_table):
-        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+        with gg.open_table(small_table, config=engine_only(engine="uring")) as t:
             r = _direct(t, "uring")
             r.inject = lambda res, idx: np.where(idx == idx.min(), -errno.EIO, res)
             with pytest.raises(gg.ReadError, match=r"small\.gguf: read of \d+ bytes at offset \d+ failed: "
@@ -161,7 +170,7 @@ class TestUringFaults:
             assert e.value.errno == errno.EIO
 
     def test_unexpected_eof_raises(self, small_table):
-        with gg.open_table(small_table, config=gg.Config(engine="uring")) as t:
+        with gg.open_table(small_table, config=engine_only(engine="uring")) as t:
             r = _direct(t, "uring")
             r.inject = lambda res, idx: np.zeros_like(res)
             with pytest.raises(gg.ReadError, match="unexpected end of file at offset"):
@@ -173,7 +182,7 @@ class TestThreadPoolFaults:
     def t(self, small_table):
         if native.library()[0] is None:
             pytest.skip("no C compiler for the native thread pool")
-        with gg.open_table(small_table, config=gg.Config(engine="threads")) as t:
+        with gg.open_table(small_table, config=engine_only(engine="threads")) as t:
             _direct(t, "threads")
             yield t
 
@@ -223,14 +232,21 @@ def test_replaced_or_modified_since_open(small_table, tmp_path, backend):
             t.read_rows([2], backend)
 
 
-def test_concurrent_use_of_one_reader_is_refused(small_table):
+def test_a_second_thread_waits_for_the_reader(small_table, ggufs):
+    """A reader in use by one thread makes another wait (not fail); then it reads the right rows."""
+    ref = ggufs.reference(small_table)
     with gg.open_table(small_table) as t:
         t.read_rows([1], "direct")
         r = t._readers["direct"]
-        with r._lock:          # as if another thread were inside fetch()
-            with pytest.raises(gg.ReadError, match="already reading in another thread"):
-                t.read_rows([2], "direct")
-        t.read_rows([2], "direct")    # free again
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("x", t.gather([2, 7], "direct")))
+        with r._lock:          # as if another thread were inside a read
+            th.start()
+            th.join(0.3)
+            assert th.is_alive() and "x" not in out      # waiting
+        th.join(10)
+        assert not th.is_alive()
+        np.testing.assert_array_equal(out["x"], ref[[2, 7]])
 
 
 def test_threads_with_one_table_each(small_table, ggufs):
@@ -277,3 +293,78 @@ def test_no_fd_map_or_ring_leaks(small_table):
     after = _resources()
     assert after[0] == before[0], (before, after)
     assert after[1] <= before[1] + 2, (before, after)
+
+
+# -- bad input through the Table ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids", [[[1, 2], [3]], [[0], [1, [2]]]])
+def test_ragged_ids_through_the_table(small_table, ids):
+    with gg.open_table(small_table) as t:
+        for call in (t.read_rows, t.gather, t.plan):
+            with pytest.raises(gg.BadIdsError, match="rectangular"):
+                call(ids)
+
+
+@pytest.mark.parametrize("dtype", ["int8", np.int32, "float64", "nonsense", 3, None, object(), "f4,f4"])
+def test_bad_output_dtype_is_a_gather_error_naming_the_accepted_ones(small_table, dtype):
+    with gg.open_table(small_table) as t:
+        with pytest.raises(gg.GatherError, match="float32, float16, bfloat16") as e:
+            t.gather([1, 2], dtype=dtype)
+        assert isinstance(e.value, TypeError)      # still a TypeError for callers that caught that
+    for good, name in ((np.float16, "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")):
+        from gds_gather.arrays import dtype_name
+        assert dtype_name(good) == name
+
+
+# -- any ids, gap, alignment, window cap and queue depth: the file's bytes ----------------------------------------
+
+@pytest.fixture(scope="module")
+def prop_table(tmp_path_factory):
+    """7,000 rows of 170 B (1.2 MB) ending exactly at the end of the file."""
+    from gds_gather.quants import row_bytes
+    rows = np.random.default_rng(11).integers(0, 256, (7000, row_bytes(Q.Q8_0, 160)), dtype=np.uint8)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_cf", os.path.join(os.path.dirname(__file__), "conftest.py"))
+    cf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cf)
+    p = cf.write_gguf(tmp_path_factory.mktemp("prop") / "prop.gguf", rows, Q.Q8_0)
+    with gg.open_table(p) as t:
+        os.truncate(p, t.data_offset + t.n_bytes)
+        oracle = np.fromfile(p, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
+    return p, oracle
+
+
+@st.composite
+def _ids(draw, n_rows):
+    mode = draw(st.sampled_from(["uniform", "clustered", "run"]))
+    n = draw(st.integers(0, 400))
+    if mode == "uniform":
+        return np.array(draw(st.lists(st.integers(0, n_rows - 1), min_size=n, max_size=n)), np.int64)
+    lo = draw(st.integers(0, n_rows - 1))
+    if mode == "run":
+        return np.arange(lo, min(n_rows, lo + n), dtype=np.int64)
+    span = draw(st.integers(1, 3000))
+    return np.array(draw(st.lists(st.integers(lo, min(n_rows - 1, lo + span)), min_size=n, max_size=n)), np.int64)
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_plan_settings_read_the_files_bytes(prop_table, data):
+    path, rows = prop_table
+    engines = (["uring"] if uring.probe()[0] else []) + (["threads"] if native.library()[0] is not None else [])
+    cfg = engine_only(
+        align=data.draw(st.sampled_from([0, 512, 4096, 65536])),
+        max_gap=data.draw(st.one_of(st.just(0), st.integers(0, 300_000))),
+        max_window=data.draw(st.one_of(st.sampled_from([0, 1, 4096, 65536]), st.integers(1, 1 << 20))),
+        max_waste=data.draw(st.sampled_from([0.0, 1.0, 16.0, 1e9])),
+        queue_depth=data.draw(st.sampled_from([1, 2, 3, 8, 128])),
+        engine=data.draw(st.sampled_from(engines or ["auto"])))
+    ids = data.draw(_ids(rows.shape[0]))
+    with gg.open_table(path, config=cfg) as t:
+        for backend in ("direct", "pread"):
+            np.testing.assert_array_equal(t.read_rows(ids, backend), rows[ids], err_msg=f"{backend} {cfg}")
+        p = t.plan(ids)
+        if cfg.max_window and p.n_windows:
+            over = p.win_lengths > max(cfg.max_window, t.align)
+            assert not over.any() or t.row_bytes % t.align, "a window over the cap where every cut fits"
