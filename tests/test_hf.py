@@ -194,6 +194,29 @@ def test_sharded_checkpoint(tmp_path):
         _check_equal(ref, model, h, _ids(4))
 
 
+def test_multimodal_gemma4(tmp_path):
+    """Gemma4ForConditionalGeneration keeps the table as model.language_model.embed_tokens_per_layer."""
+    _, text = _config("gemma4")
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    mm = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision, audio_config=None)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in mm.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    mm.save_pretrained(tmp_path)
+    cls = transformers.Gemma4ForConditionalGeneration
+    ref, model = (cls.from_pretrained(tmp_path, dtype="auto").eval() for _ in range(2))
+    with offload_per_layer_embeddings(model, tmp_path) as h:
+        assert h.table.name == "model.language_model.embed_tokens_per_layer.weight" and h.table.arch == "gemma4"
+        ids = _ids(9)
+        with torch.no_grad():
+            assert torch.equal(ref(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert h.rows_read == torch.unique(ids).numel()
+
+
 def test_padded_gemma3n_gguf(models, tmp_path):
     """llama.cpp pads Gemma 3n's table (262,144 -> 262,400 rows): accepted, ids past the vocabulary refused."""
     from gguf import GGUFWriter
