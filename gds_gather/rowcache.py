@@ -154,7 +154,8 @@ class FreqSketch:
 
 
 def _footprint(slots: int, row_bytes: int) -> int:
-    return slots * (row_bytes + 10) + HashIndex.nbytes_for(slots) + FreqSketch.nbytes_for(slots)   # + slot_row, freq, mark
+    # rows, slot_row (8), slot_freq and _mark (1 each), the index, the sketch
+    return slots * (row_bytes + 10) + HashIndex.nbytes_for(slots) + FreqSketch.nbytes_for(slots)
 
 
 def capacity_for(budget: int, row_bytes: int) -> int:
@@ -353,12 +354,16 @@ def read_through(table, reader, plan) -> np.ndarray:
         return out
     reader.check_file()          # hits must not outlive a changed file (a reader call may not happen)
     with cache.lock:
+        g = cache.gen
         slots = cache.lookup(plan.unique_rows)
         hit = slots >= 0
-        out = np.empty((U, plan.row_bytes), np.uint8)
         nh = int(hit.sum())
-        if nh:
-            out[hit] = cache.data[slots[hit]]
+        if nh == U:                  # all hits: one gather, as mmap's
+            out = cache.data.take(slots, axis=0)
+        else:
+            out = np.empty((U, plan.row_bytes), np.uint8)
+            if nh:
+                out[hit] = cache.data[slots[hit]]
     io["cache_hits"] += nh
     io["rows_from_cache"] += nh
     io["cache_misses"] += U - nh
@@ -369,7 +374,7 @@ def read_through(table, reader, plan) -> np.ndarray:
         out[miss] = fresh
         _count_reader(io, reader, pc0, d0, U - nh)
         with cache.lock:
-            cache.admit(rows, fresh, protect=slots[hit])
+            cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out
 
 
