@@ -75,6 +75,23 @@ def test_cold_file_reads_everything_odirect(wide):
         assert s["rows_from_page_cache"] <= 1 and s["rows_from_device"] >= ids.size
 
 
+def test_eviction_since_the_last_refresh_is_noticed(wide):
+    """The map says resident, then the file is evicted (a benchmark going cold): no fault per row, nothing added
+    to the page cache, every row O_DIRECT."""
+    path, raw = wide
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        assert t._readers["direct"]._pc.any
+        measure.evict_file(path)
+        before, flt = measure.resident_bytes(path), measure.major_faults()
+        ids = np.arange(100, t.n_rows, 4)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        assert t.stats()["rows_from_page_cache"] <= 1 and measure.major_faults() - flt <= 2
+        assert measure.resident_bytes(path) <= before + 2 * PAGE
+
+
 def test_page_cache_reads_can_be_turned_off(wide):
     path, raw = wide
     _warm(path, 0, os.path.getsize(path))
@@ -111,6 +128,7 @@ def test_residency_mask_matches_every_page_of_each_row(wide):
             res.vec[:] = rng.integers(0, 2, res.vec.shape[0]) | (rng.random(res.vec.shape[0]) < 0.7)
             res.any = True
             res._last = float("inf")               # keep the planted map
+            res._still_resident = lambda pages: True
             rows = np.arange(t.n_rows)
             got = res.rows_resident(rows, t.row_bytes)
             start = t.data_offset + rows * t.row_bytes
