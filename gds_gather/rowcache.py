@@ -346,6 +346,8 @@ def read_through(table, reader, plan) -> np.ndarray:
     to the cache. Counts into table._io (see Table.stats)."""
     io = table._io
     U = plan.n_unique
+    if U == 0:
+        return np.empty((0, plan.row_bytes), np.uint8)
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
     pc0, d0 = getattr(reader, "rows_from_page_cache", 0), getattr(reader, "rows_from_device", None)
     if cache is None:
@@ -360,10 +362,9 @@ def read_through(table, reader, plan) -> np.ndarray:
         nh = int(hit.sum())
         if nh == U:                  # all hits: one gather, as mmap's
             out = cache.data.take(slots, axis=0)
-        else:
+        elif nh:
             out = np.empty((U, plan.row_bytes), np.uint8)
-            if nh:
-                out[hit] = cache.data[slots[hit]]
+            out[hit] = cache.data[slots[hit]]
     io["cache_hits"] += nh
     io["rows_from_cache"] += nh
     io["cache_misses"] += U - nh
@@ -371,8 +372,14 @@ def read_through(table, reader, plan) -> np.ndarray:
         miss = ~hit
         rows = plan.unique_rows[miss]
         fresh = reader.read(table.plan(rows)) if nh else reader.read(plan)
-        out[miss] = fresh
+        if nh:
+            out[miss] = fresh
+        else:
+            out = fresh
         _count_reader(io, reader, pc0, d0, U - nh)
+        pc = getattr(reader, "last_from_page_cache", None)
+        if pc is not None and pc.shape[0] == rows.shape[0]:   # the page cache holds those: admit what the
+            rows, fresh = rows[~pc], fresh[~pc]                  # device delivered
         with cache.lock:
             cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out

@@ -44,7 +44,7 @@ def test_any_batches_return_the_files_rows_within_budget(table, batches, budget,
     path, raw, ref = table
     rowcache.drop_all()
     seen = 0
-    with gg.open_table(path, config=gg.Config(cache_bytes=budget)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=budget, page_cache_reads=0)) as t:
         for b in batches:
             ids = np.array(b, np.int64)
             np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
@@ -69,13 +69,14 @@ def test_any_batches_return_the_files_rows_within_budget(table, batches, budget,
 def test_repeats_are_served_by_the_cache_across_tables(table):
     path, raw, _ = table
     ids = np.array([5, 7, 5, 399, 0, 7])
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+    cfg = gg.Config(cache_bytes=1 << 20, page_cache_reads=0)    # every miss from the device: all admitted
+    with gg.open_table(path, config=cfg) as t:
         t.read_rows(ids, "direct")
         b0 = t.stats()["bytes_requested"]
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         s = t.stats()
         assert s["bytes_requested"] == b0 > 0 and s["rows_from_cache"] == 4 and s["cache_hit_rate"] == 0.5
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:    # a new Table: same file, same cache
+    with gg.open_table(path, config=cfg) as t:    # a new Table: same file, same cache
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         s = t.stats()
         assert s["rows_from_cache"] == 4 and s["bytes_requested"] == 0 and s["cache_bytes"] > 0
@@ -100,9 +101,10 @@ def test_changed_file_is_refused_and_never_served_stale(tmp_path, ggufs):
     rows_b = ggufs.rows(Q.IQ4_NL, 50, 160, seed=2)
     path = ggufs.write(tmp_path / "c.gguf", rows_a, Q.IQ4_NL)
     ids = np.array([1, 2, 3])
-    cfg = gg.Config(cache_bytes=1 << 20)
+    cfg = gg.Config(cache_bytes=1 << 20, page_cache_reads=0)
     with gg.open_table(path, config=cfg) as t:
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), rows_a[ids])
+        assert t.stats()["cache_bytes"] > 0
         st_ = os.stat(path)
         os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
         with pytest.raises(gg.ReadError, match="modified"):
