@@ -190,6 +190,8 @@ class RowCache:
         self.data = np.zeros((0, self.row_bytes), np.uint8)
         if store and C:
             self._map = mmap.mmap(-1, C * self.row_bytes)      # page-aligned: pinnable (device.pin_staging)
+            if hasattr(mmap, "MADV_HUGEPAGE"):      # slots fill in order: fault 2 MiB at a time where THP allows
+                self._map.madvise(mmap.MADV_HUGEPAGE)
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)
         self.lock = threading.Lock()
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
@@ -276,7 +278,12 @@ class RowCache:
             self.slot_freq[slots] = np.minimum(self.sketch.estimate(rows[pick]), 255)   # its history so far
             self.index.insert(rows[pick], slots)
             if self.data.shape[0] and data is not None:
-                self.data[slots] = data[pick]
+                k = pick.shape[0]
+                if k == rows.shape[0] and k == slots[-1] - slots[0] + 1 and (np.diff(slots) == 1).all() \
+                        and (np.diff(pick) == 1).all():      # free slots filled in order: one memcpy
+                    self.data[slots[0]:slots[0] + k] = data
+                else:
+                    self.data[slots] = data[pick]
             out[pick] = slots
             self.admitted += pick.shape[0]
         return out
