@@ -75,16 +75,15 @@ def _libc():
     return libc
 
 
-_BARRIER_MUTEX = ctypes.create_string_buffer(64)
-
-
 def full_barrier() -> None:
     """A full memory barrier callable from Python (lock + unlock of a private pthread mutex): needed on
     weakly ordered CPUs (arm64: GB10, Grace) between reading a ring tail and its entries, or between filling
-    a buffer and publishing a flag."""
+    a buffer and publishing a flag. A fresh mutex each time: a signal handler that raises between the two calls
+    (Python runs handlers between bytecodes) abandons that one mutex instead of deadlocking the next barrier."""
     libc = _libc()
-    libc.pthread_mutex_lock(_BARRIER_MUTEX)
-    libc.pthread_mutex_unlock(_BARRIER_MUTEX)
+    m = ctypes.create_string_buffer(64)      # all zeros: PTHREAD_MUTEX_INITIALIZER
+    libc.pthread_mutex_lock(m)
+    libc.pthread_mutex_unlock(m)
 
 
 def _sys(nr: int, *args) -> int:

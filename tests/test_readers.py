@@ -368,3 +368,49 @@ def test_any_plan_settings_read_the_files_bytes(prop_table, data):
         if cfg.max_window and p.n_windows:
             over = p.win_lengths > max(cfg.max_window, t.align)
             assert not over.any() or t.row_bytes % t.align, "a window over the cap where every cut fits"
+
+
+def test_buffered_exact_rows_read_runs_of_adjacent_rows_as_one_extent(small_table, monkeypatch):
+    """direct's buffered path (tmpfs, or O_DIRECT refused) reads contiguous ids as one extent; pread (the
+    llama.cpp baseline) keeps one read per row. Both exact against the file's bytes."""
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(readers.os, "open", no_direct)
+    with gg.open_table(small_table, config=engine_only(engine="threads")) as t:
+        rows = np.fromfile(small_table, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
+        ids = np.concatenate([np.arange(10, 150), [7, 200, 201, 202, 299, 11]])
+        for backend, extents in (("direct", 4), ("pread", 145)):     # runs 7 | 10..149 | 200..202 | 299
+            t.read_rows([0], backend)
+            r = t._readers[backend]
+            assert not r.odirect
+            seen = []
+            real_submit = r._submit
+
+            def spy(o, ln, e, d, do, real_submit=real_submit):
+                seen.append(o.shape[0])
+                return real_submit(o, ln, e, d, do)
+            monkeypatch.setattr(r, "_submit", spy)
+            np.testing.assert_array_equal(t.read_rows(ids, backend), rows[ids])
+            assert seen == [extents], (backend, seen)
+
+
+def test_staging_grows_in_place_keeping_its_pages():
+    """A larger batch keeps the staging's address and the pages already touched (no fresh buffer of the next
+    power of two, faulted in and registered again); only growth past the reservation maps a new range."""
+    st = readers.Staging()
+    st.RESERVE_MIN = 64 << 20
+    a = st.ensure(1000)
+    base = a.ctypes.data
+    a[:4] = [1, 2, 3, 4]
+    b = st.ensure(5 << 20)
+    assert b.ctypes.data == base and 5 << 20 <= b.nbytes <= (5 << 20) * 5 // 4 + st.GRAIN
+    assert b[:4].tolist() == [1, 2, 3, 4] and st.grows == 2
+    assert st.ensure(3000).nbytes == b.nbytes and st.grows == 2          # smaller: reused as is
+    c = st.ensure(200 << 20)                                              # past the 64 MiB reservation
+    assert c.nbytes >= 200 << 20 and st.grows == 3
+    del a, b, c
+    st.close()
