@@ -13,6 +13,9 @@ from .errors import GatherError
 from .platform import detect
 
 
+MAX_UBATCH = 1 << 16      # tokens per ubatch: staging for 65,536 tokens of gemma rows is already ~480 MB
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -21,13 +24,68 @@ def _human(n: float) -> str:
     return str(n)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with ONE line on stderr for a bad command line (the usage is in --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi; argparse's message then names the flag and the bounds."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo:,}..{hi:,}, got {text}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def _check_input(path) -> None:
+    """A model path that is a FIFO, socket or device would block or read forever: refuse it by name."""
+    import os
+    import stat
+    from .safe_write import file_kind
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return                                     # missing etc.: the reader says so
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise GatherError(f"{path} is {file_kind(mode)}, not a model file")
+
+
+def _check_prefill_args(args, cfg: Config) -> None:
+    """Refuse what would fail later with a traceback or after minutes: a bad prompt file, a forced GPU platform
+    on a machine without one (or without torch, which the GPU pipeline needs)."""
+    if args.model is not None:
+        _check_input(args.model)
+    if args.prompt is not None:
+        from .text import open_prompt
+        open_prompt(args.prompt).close()
+    if cfg.platform in ("discrete", "unified", "rocm"):
+        import importlib.util
+        probe = detect("auto")
+        if probe.kind == "cpu":
+            raise GatherError(f"--platform/GDS_GATHER_PLATFORM {cfg.platform}: no usable GPU here ({probe.reason})")
+        if importlib.util.find_spec("torch") is None:
+            raise GatherError(f"--platform/GDS_GATHER_PLATFORM {cfg.platform}: the GPU pipeline needs torch "
+                              "(pip install 'gds-gather[torch]')")
+
+
 def cmd_info(args, cfg: Config) -> int:
     from .table import open_table
+    _check_input(args.file)
     with open_table(args.file, args.tensor, cfg) as t:
         d = t.describe()
         d["model"] = str(t.model_path)
+        from .convert import describe
+        d["convert"] = describe(t)
     plat = detect(cfg.platform)
-    d["platform"] = {"kind": plat.kind, "reason": plat.reason, "device": plat.device}
+    d["platform"] = {"kind": plat.kind, "reason": plat.reason, "device": plat.device, "path": plat.path}
     d["backends"] = [b.as_dict() for b in backends(cfg)]
     d["auto"], d["auto_reason"] = resolve("auto", cfg)
     if args.json:
@@ -39,10 +97,13 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  arch           {d['arch'] or '?'}")
     print(f"  tensor         {d['tensor']}  {d['qtype']}  [{d['row_elems']}, {d['n_rows']}] (ggml order)")
     print(f"  rows           {d['n_rows']:,} rows x {d['row_elems']} elements = {d['row_bytes']} B/row")
+    if d["convert"]:
+        print(f"  convert        {d['convert']}")
     print(f"  table          {_human(d['table_bytes'])} at offset {d['data_offset']:,} "
           f"(F32 would be {_human(d['f32_bytes'])}, {d['f32_bytes'] / d['table_bytes']:.1f}x)")
     print(f"  storage        {d['filesystem']}, O_DIRECT alignment {d['align']} B")
     print(f"  platform       {plat.kind}: {plat.reason}")
+    print(f"  GPU path       {plat.path}")
     print("  backends")
     for b in d["backends"]:
         mark = "yes" if b["available"] else "no "
@@ -61,14 +122,43 @@ def cmd_make_model(args, cfg: Config) -> int:
     return 0
 
 
+def _cache_size(text: str) -> int:
+    """--cache: bytes with an optional K/M/G/T suffix (powers of 1024), or auto (-1)."""
+    t = text.strip().upper().removesuffix("B")
+    if t == "AUTO":
+        return -1
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256M, 0, auto)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"the cache size must be >= 0, got {text!r}")
+    return n
+
+
 def cmd_prefill(args, cfg: Config) -> int:
+    _check_prefill_args(args, cfg)
+    if args.hf:
+        from .hf import cmd_prefill_hf
+        return cmd_prefill_hf(args, cfg)
+    if args.table:
+        raise GatherError("--table goes with --hf MODEL_DIR (the table of a transformers model)")
+    args.dtype = args.dtype or "bfloat16"
+    args.tokens = 8192 if args.tokens is None else args.tokens
     from .prefill import run_prefill
     result = run_prefill(args.model, cfg, prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch,
                          backend=args.backend, graph=not args.no_graph, cold=args.cold, trunk=args.trunk,
-                         dtype=args.dtype, progress=not args.json, log=print if not args.json else None)
+                         dtype=args.dtype, progress=not args.json, log=print if not args.json else None,
+                         cache=args.cache)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
     return 0
+
+
+def _cmd_convert(args, cfg: Config) -> int:
+    from .convert import cmd_convert
+    return cmd_convert(args, cfg)
 
 
 def cmd_bench(args, cfg: Config) -> int:
@@ -78,7 +168,9 @@ def cmd_bench(args, cfg: Config) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gds-gather", description=__doc__)
+    from .model.synth import MAX_ROWS
+    from .text import MAX_TOKENS
+    p = _Parser(prog="gds-gather", description=__doc__)
     p.add_argument("--version", action="version", version=f"gds-gather {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log the chosen backend and why")
     p.add_argument("--platform", choices=("auto", "discrete", "unified", "rocm", "cpu"),
@@ -95,25 +187,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("preset", help="gemma4-e2b, gemma4-e4b, gemma3n-e2b or qwen4exp")
     s.add_argument("-o", "--output", required=True)
     s.add_argument("--qtype", help="GGML type of the table (default: the preset's)")
-    s.add_argument("--rows", type=int, help="number of table rows (default: the real model's)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--rows", type=_int_in(1, MAX_ROWS), help="number of table rows (default: the real model's)")
+    s.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_make_model)
 
     s = sub.add_parser("prefill", help="the main job: gather the PLE rows of a real text prompt")
     s.add_argument("model", nargs="?", help="GGUF model (default: a small built-in qwen4exp model, built once)")
     s.add_argument("--prompt", help="text file (default: the Python documentation topics)")
-    s.add_argument("--tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
-    s.add_argument("--ubatch", type=int, default=2048)
+    s.add_argument("--tokens", type=_int_in(1, MAX_TOKENS), default=None,
+                   help="prompt length in tokens (default 8192; --hf: 2048)")
+    s.add_argument("--ubatch", type=_int_in(1, MAX_UBATCH), default=2048, help="tokens per ubatch (default 2048)")
     s.add_argument("--backend", default=None, help="force a backend (default: auto, or GDS_GATHER_BACKEND)")
     s.add_argument("--cold", action="store_true", help="drop the page cache first (root), else evict the file")
     s.add_argument("--no-graph", action="store_true", help="run the GPU steps eagerly (no CUDA graph)")
     s.add_argument("--trunk", choices=("real", "tiny", "none"),
                    help="synthetic trunk: real shapes (GPU default), tiny (CPU default), none (CPU: fetch only)")
-    s.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
-                   help="GPU dequant output and trunk dtype")
+    s.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face transformers model (Gemma 4 / Gemma 3n): its "
+                   "prefill with the PLE table resident vs offloaded, A/B")
+    s.add_argument("--table", help="with --hf: the table file (default: the checkpoint's own safetensors)")
+    s.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="GPU dequant output and trunk dtype (default bfloat16); --hf: the model's (default: the "
+                   "checkpoint's)")
     s.add_argument("--json", action="store_true", help="end with one JSON line")
+    s.add_argument("--cache", type=_cache_size, default=None, metavar="BYTES",
+                   help="row cache budget: bytes (K/M/G suffixes), 0 = off, auto = 10%% of the table up to 256 MiB "
+                        "(default: GDS_GATHER_CACHE_BYTES, else auto)")
     s.set_defaults(func=cmd_prefill)
+
+    s = sub.add_parser("convert", help="write a model's PLE table alone as a GGUF, optionally quantized")
+    s.add_argument("model", help="Hugging Face model directory, .safetensors(.index.json) file, or GGUF")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--qtype", help="F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 TQ1_0 TQ2_0 MXFP4 (gguf's quantizers; "
+                   "default: the source type, an exact copy)")
+    s.add_argument("--tensor", default="per_layer_token_embd.weight",
+                   help="the table's name (default: found by name, *embed_tokens_per_layer.weight in safetensors)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_convert)
 
     from . import benches
     s = sub.add_parser("bench", help="benchmarks: storage bandwidth, the gather microbenchmark, prefill A/B")
@@ -129,12 +239,45 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    restore = _terminate_cleanly()
     try:
         cfg = Config.from_env(platform=args.platform)
         return args.func(args, cfg)
     except (GatherError, FileNotFoundError, ValueError) as e:
-        print(f"gds-gather: error: {e}", file=sys.stderr)
+        print(f"gds-gather: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("gds-gather: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, MemoryError) as e:        # e.g. a full disk while writing: the message names the file
+        if args.verbose:
+            raise
+        print(f"gds-gather: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 1
+    finally:
+        restore()
+
+
+def _terminate_cleanly():
+    """SIGTERM (kill, timeout) raises KeyboardInterrupt, so temporary output files are removed as on Ctrl-C.
+    Returns what puts the previous handler back."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    old = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:   # "x.gguf: No such file or directory"
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e)
+    return " ".join(text.split()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -64,10 +64,15 @@ def device_view(host: np.ndarray):
 class DeviceSink:
     """Moves what a host reader reads to the GPU: one H2D copy ("copy") or none ("zero-copy")."""
 
-    def __init__(self, reader, mode: str):
+    def __init__(self, reader, mode: str, *, cache=None, replan=None, io=None):
         if mode not in ("copy", "zero-copy"):
             raise ValueError(mode)
         self.reader, self.mode = reader, mode
+        # device-resident row cache (copy mode): rowcache.RowCache(store=False) keeps the index and policy, the
+        # rows live in GPU memory in front of the staging, in one buffer, so one offsets array serves both
+        self.cache = cache if mode == "copy" else None
+        self.replan, self.io = replan, io
+        self._cache_dev = None
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
         staging = getattr(reader, "staging", None)
@@ -82,9 +87,11 @@ class DeviceSink:
         cp = _cp()
         s = arrays.cupy_stream(stream)
         s.synchronize()      # the previous batch's consumers on this stream are done with staging
+        if self.cache is not None and self.cache.capacity and hasattr(self.reader, "fetch"):
+            return self._fetch_cached(plan, s)
         if hasattr(self.reader, "fetch"):
             host, offs = self.reader.fetch(plan)
-            nbytes = plan.window_bytes if self.reader.odirect else plan.n_unique * plan.row_bytes
+            nbytes = (int(offs.max()) + plan.row_bytes) if offs.shape[0] else 0
         else:
             host = np.ascontiguousarray(self.reader.read(plan)).reshape(-1)
             offs = np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
@@ -103,8 +110,63 @@ class DeviceSink:
             d_offs.set(np.ascontiguousarray(offs, np.int64), stream=s)
         return dev[:nbytes], d_offs
 
+    def _fetch_cached(self, plan: ReadPlan, s):
+        """Hits stay in the device cache (no PCIe); misses are read and copied up behind the cache slots, then
+        the admitted ones are copied device-to-device into their slots. Offsets: slot * row_bytes for hits,
+        cache bytes + staging offset for fresh rows, into one device buffer."""
+        cp = _cp()
+        c, rb, U = self.cache, plan.row_bytes, plan.n_unique
+        cb = c.capacity * rb
+        self.reader.check_file()                 # hits must not outlive a changed file
+        with c.lock:
+            g = c.gen
+            slots = c.lookup(plan.unique_rows)
+        hit = slots >= 0
+        nh = int(hit.sum())
+        offs_all = np.empty(U, np.int64)
+        offs_all[hit] = slots[hit] * rb
+        nbytes = 0
+        if nh < U:
+            miss = ~hit
+            rows = plan.unique_rows[miss]
+            pc0 = getattr(self.reader, "rows_from_page_cache", 0)
+            host, offs = self.reader.fetch(self.replan(rows) if nh else plan)
+            nbytes = int(offs.max()) + rb
+            offs_all[miss] = cb + offs
+            if self.io is not None:
+                pc = getattr(self.reader, "rows_from_page_cache", 0) - pc0
+                self.io["rows_from_page_cache"] += pc
+                self.io["rows_from_device"] += U - nh - pc
+        if self.io is not None:
+            self.io["cache_hits"] += nh
+            self.io["rows_from_cache"] += nh
+            self.io["cache_misses"] += U - nh
+        with s:
+            need = cb + nbytes
+            if self._cache_dev is None or self._cache_dev.nbytes < need:
+                new = cp.empty(max(1 << 20, 1 << (int(need) - 1).bit_length()), cp.uint8)
+                if self._cache_dev is not None and cb:
+                    new[:cb] = self._cache_dev[:cb]
+                self._cache_dev = new
+            dev = self._cache_dev
+            if nbytes:
+                cp.cuda.runtime.memcpyAsync(dev.data.ptr + cb, host.ctypes.data, nbytes,
+                                            cp.cuda.runtime.memcpyHostToDevice, s.ptr)
+                with c.lock:
+                    new_slots = c.admit(rows, None, protect=slots[hit], gen=g)
+                a = new_slots >= 0
+                if a.any():
+                    ar = cp.arange(rb, dtype=cp.int64)
+                    src = cp.asarray(cb + offs[a])[:, None] + ar
+                    dst = cp.asarray(new_slots[a] * rb)[:, None] + ar
+                    dev[dst] = dev[src]
+            d_offs = self.offsets.ensure(U * 8).view(cp.int64)[:U]
+            d_offs.set(offs_all, stream=s)
+        return dev[:need], d_offs
+
     def close(self) -> None:
         self.dev.buf = self.offsets.buf = None
+        self._cache_dev = None
 
 
 class GdsReader:
@@ -120,15 +182,20 @@ class GdsReader:
         try:
             import kvikio
             import kvikio.defaults
-        except ImportError as e:
-            raise BackendError(f"gds needs kvikio (pip install 'gds-gather[cuda13]'): {e}") from None
+        except Exception as e:   # ImportError, or OSError/RuntimeError from loading libkvikio / libcufile / libcuda
+            raise BackendError(f"gds needs a loadable kvikio (pip install 'gds-gather[cuda13]'): "
+                               f"{type(e).__name__}: {e}") from e
         from .readers import Reader, default_threads
         self._base = Reader(path, data_offset, n_bytes, config=config, file_id=file_id)
         self.path, self.config = self._base.path, config
         threads = default_threads(config)
-        # KvikIO's defaults (1 thread, 16 KiB GDS threshold) would serialize and bypass GDS for small reads
-        kvikio.defaults.set({"num_threads": threads, "gds_threshold": 0})
-        self.file = kvikio.CuFile(str(self.path), "r")
+        try:
+            # KvikIO's defaults (1 thread, 16 KiB GDS threshold) would serialize and bypass GDS for small reads
+            kvikio.defaults.set({"num_threads": threads, "gds_threshold": 0})
+            self.file = kvikio.CuFile(str(self.path), "r")
+        except (OSError, RuntimeError) as e:
+            self._base.close()
+            raise BackendError(f"gds: KvikIO could not open {self.path}: {type(e).__name__}: {e}") from e
         try:
             import kvikio.cufile_driver
             self.real_gds = bool(kvikio.cufile_driver.get("is_gds_available"))

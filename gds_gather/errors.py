@@ -42,3 +42,11 @@ class BackendError(GatherError, RuntimeError):
 
 class ReadError(GatherError, OSError):
     """An I/O failure while reading rows: names the file and the offset."""
+
+
+class NotSafetensorsError(NotGGUFError):
+    """The file is not a safetensors file (bad header length or JSON); a NotGGUFError: no table format fits."""
+
+
+class ModelMismatchError(GatherError, ValueError):
+    """A model and a table that do not fit: no per-layer embedding, or rows, width or dtype that differ."""

@@ -28,7 +28,7 @@ import numpy as np
 from . import quants
 from .backends import choose_device, resolve
 from .config import Config
-from .readers import HOST_READERS, rows_from_windows
+from .readers import HOST_READERS
 from .schedule import check_fits, graph_mode, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
@@ -236,12 +236,14 @@ class GpuPrefill:
         elif not hasattr(self.readers[s], "fetch"):      # mmap, readahead, resident: compact rows come back
             rows = self.readers[s].read(plan)
             self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
-        else:
-            staging, offs = self.readers[s].fetch(plan)
+        else:       # the table's row cache (hits) + fresh reads, compact
+            from . import rowcache
+            rows = rowcache.read_through(t, self.readers[s], plan)
             if self.mode == "copy":
-                rows = rows_from_windows(staging, plan) if self.readers[s].odirect else \
-                    staging[:plan.n_unique * t.row_bytes].reshape(plan.n_unique, t.row_bytes)
                 self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
+            else:   # zero-copy: the kernel reads the compact rows in place in the slot's fixed, mapped staging
+                self.readers[s].staging.buf[:rows.size] = rows.reshape(-1)
+                offs = np.arange(plan.n_unique, dtype=np.int64) * t.row_bytes
         c = time.perf_counter()
         self.tokens_pin[s].numpy()[:n] = tok
         self.inv_pin[s].numpy()[:N] = plan.inverse

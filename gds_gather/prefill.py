@@ -71,7 +71,7 @@ class RowMapper:
 def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
                 ubatch: int = 2048, backend: str | None = None, graph: bool = True, cold: bool = False,
                 trunk: str | None = None, dtype: str = "bfloat16", seed: int = 0, progress: bool = True,
-                log=print, collect: bool = False, tokens_override=None) -> dict:
+                log=print, collect: bool = False, tokens_override=None, cache: int | None = None) -> dict:
     """Run the prefill: on the GPU (graph-captured fetch-dequant + trunk) where there is one, else on the CPU.
 
     trunk: 'real' (the preset's shapes; default on a GPU), 'tiny' (default on the CPU, where real shapes would
@@ -82,6 +82,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     from .pipeline import CpuPrefill, GpuPrefill
     from .platform import detect
     cfg = cfg or Config.from_env()
+    if cache is not None:
+        cfg = cfg.with_(cache_bytes=cache)       # row cache budget in bytes (-1 auto, 0 off)
     if ubatch <= 0:
         raise ValueError(f"--ubatch must be > 0, got {ubatch}")
     path = Path(model) if model else default_model(cfg, progress)
@@ -118,23 +120,42 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                                  "CPU (no GPU here): read -> gguf dequantize -> " +
                                  (f"torch CPU trunk ({trunk})" if trunk != "none" else "no trunk (the PLE fetch only)")
                                  + ", no graph"))
+        if pipe.backend == "resident" and not gpu:     # resident = in memory before the clock: load it untimed
+            t.read_plan(t.plan(np.zeros(1, np.int64)), "resident")
         try:
             bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
+            io = measure.ReadCounter(t.path)          # bytes the storage delivered during the run
             res = pipe.run(tokens, progress=bar.update, collect=collect)
+            got = io.stop()
             bar.close()
         finally:
             pipe.close()
         growth = measure.resident_bytes(t.path) - cache0
+        useful = res["useful_bytes"]
+        res.update(bytes_delivered=got["delivered_bytes"], bytes_device=got["device_bytes"],
+                   delivered_method=got["delivered_method"], device_method=got["device_method"],
+                   ampl_requested=res["bytes_read"] / useful if useful else None,
+                   ampl_delivered=got["delivered_bytes"] / useful if useful and got["delivered_bytes"] is not None
+                   else None)
         res.update(model=str(path), arch=t.arch, qtype=t.qtype.name, cold=cold, trunk=trunk,
                    tokenizer=mapper.tokenizer_name,
                    platform=plat.kind, page_cache_growth_bytes=growth)
+        res.update(t.stats())       # rows from the row cache / page cache / device, hit rate, cache size
     if log:
         share = res.get("ple_wait_share")
         log(f"result    {res['tokens']:,} tokens in {res['seconds']:.3f} s = {res['tok_per_s']:,.0f} tok/s; "
             f"{res['ple_rows']:,} PLE rows at {res['rows_per_s']:,.0f} rows/s "
             f"({res['unique_rows']:,} unique after per-ubatch dedup, {res['unique_rows'] / max(res['ple_rows'], 1):.1%})")
-        log(f"bytes     {res['bytes_read']:,} read for {res['useful_bytes']:,} useful "
-            f"(read amplification {res['read_amplification']:.1f}x); page cache +{growth / 2**20:.1f} MiB")
+        dl, dv, amp = res["bytes_delivered"], res["bytes_device"], res["ampl_delivered"]
+        log(f"bytes     {res['bytes_read']:,} requested for {res['useful_bytes']:,} useful "
+            f"({res['read_amplification']:.1f}x); delivered {'n/a' if dl is None else f'{dl:,}'} "
+            f"(read amplification {'n/a' if amp is None else f'{amp:.1f}x'}; {res['delivered_method'] or 'no counter'})"
+            f"; device {'n/a' if dv is None else f'{dv:,}'} ({res['device_method'] or 'no block device'}); "
+            f"page cache +{growth / 2**20:.1f} MiB")
+        log(f"cache     unique rows: {res['rows_from_cache']:,} from the row cache (hit rate "
+            f"{res['cache_hit_rate']:.1%}), {res['rows_from_page_cache']:,} from the page cache, "
+            f"{res['rows_from_device']:,} from the device; row cache {res['cache_bytes'] / 2**20:.1f} of "
+            f"{res['cache_budget_bytes'] / 2**20:.1f} MiB")
         log(f"time      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s"
             + (f"; PLE step (wait + copy + dequant) {share:.1%} of wall time" if share is not None else ""))
     return res

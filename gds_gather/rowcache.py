@@ -189,7 +189,8 @@ class RowCache:
         self._map = None
         self.data = np.zeros((0, self.row_bytes), np.uint8)
         if store and C:
-            self._map = mmap.mmap(-1, C * self.row_bytes)      # page-aligned: pinnable (device.pin_staging)
+            # page-aligned (pinnable: device.pin_staging) and private: a fork()ed child must not write the parent's rows
+            self._map = mmap.mmap(-1, C * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):      # slots fill in order: fault 2 MiB at a time where THP allows
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)

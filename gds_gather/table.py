@@ -1,20 +1,23 @@
 """A PLE table in a GGUF file: geometry from the metadata, planned reads, exact gathers."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
 
-from . import arrays, quants
-from .backends import resolve, resolve_device
+from . import arrays, quants, rowcache
+from .backends import choose_device, resolve
 from .config import Config
 from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
-from .readers import HOST_READERS, Reader
-from .storage import filesystem, logical_block_size
+from .readers import HOST_READERS, Reader, default_align
+from .storage import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,33 @@ def _cast_numpy(f32: np.ndarray, name: str) -> np.ndarray:
     return f32.astype(ml_dtypes.bfloat16)
 
 
+def _locate(path, tensor: str):
+    """(tensor info, header, metadata): a GGUF file (any shard), or a Hugging Face safetensors checkpoint (a model
+    directory, model.safetensors.index.json or one .safetensors file; see safetensors_file.py)."""
+    from .safetensors_file import find_table_tensor, is_safetensors_source
+    if is_safetensors_source(path):
+        return find_table_tensor(path, tensor)
+    return find_tensor(path, tensor)
+
+
+def _locked(method):
+    """Run a Table method under the table's lock: one read at a time per Table, from planning to the rows copied
+    out of the shared staging (a second thread waits, it is not refused)."""
+    @functools.wraps(method)
+    def locked(self, *a, **kw):
+        with self._lock:
+            return method(self, *a, **kw)
+    return locked
+
+
+def _release(readers: dict, sinks: dict) -> None:
+    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed)."""
+    for r in list(sinks.values()) + list(readers.values()):
+        r.close()
+    sinks.clear()
+    readers.clear()
+
+
 class Table:
     """One row-gather table (default: the per-layer token embedding) of a GGUF model.
 
@@ -44,7 +74,7 @@ class Table:
 
     def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
         self.config = config or Config.from_env()
-        info, reader, meta_reader = find_tensor(path, tensor)
+        info, reader, meta_reader = _locate(path, tensor)
         self.model_path = Path(path)
         self.path = info.path
         self.name = info.name
@@ -66,11 +96,15 @@ class Table:
                 f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        self.align = self.config.align or logical_block_size(self.path)   # O_DIRECT window alignment
+        self.align = default_align(self.config, self.path)   # O_DIRECT window alignment (readers.MIN_ALIGN)
         self._readers: dict[str, Reader] = {}
         self._sinks: dict = {}          # GPU destinations, created on first GPU use
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
+        self._lock = threading.RLock()      # safe to share between threads (see _locked)
+        self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
+        self._last_stream = None            # the GPU stream of the last device fetch (another thread's may differ)
+        self._fin = weakref.finalize(self, _release, self._readers, self._sinks)   # an unclosed Table frees too
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property
@@ -95,7 +129,8 @@ class Table:
     def plan(self, ids, align: int | None = None, max_gap: int | None = None) -> ReadPlan:
         return plan_rows(ids, n_rows=self.n_rows, row_bytes=self.row_bytes, data_offset=self.data_offset,
                          align=align or self.align,
-                         max_gap=self.config.max_gap if max_gap is None else max_gap)
+                         max_gap=self.config.max_gap if max_gap is None else max_gap,
+                         max_window=self.config.max_window, max_waste=self.config.max_waste)
 
     def _reader(self, backend: str) -> Reader:
         if self.closed:
@@ -111,17 +146,20 @@ class Table:
             log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
 
+    @_locked
     def fetch_device(self, plan: ReadPlan, backend: str = "auto", stream=None):
         """Read the plan's rows into GPU memory: (device staging uint8, device byte offset of each unique row).
 
         The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
         place; they are valid until the next fetch on this table, which first waits for `stream`.
         """
-        name, mode, why = resolve_device(backend, self.config, window_bytes=self._typical_window(),
-                                         gds_faster=self._gds_faster)
+        name, mode, why = choose_device(self, backend, self.config)     # the one gds-or-direct decision
         key = f"{name}@{mode}"
         if key not in self._sinks:
             log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
+        if self._last_stream is not None and self._last_stream is not stream:
+            arrays.cupy_stream(self._last_stream).synchronize()   # another stream may still read the staging
+        self._last_stream = stream
         return self._sink(name, mode).fetch(plan, stream)
 
     def _sink(self, name: str, mode: str):
@@ -130,7 +168,7 @@ class Table:
             from .device import DeviceSink, GdsReader
             self._sinks[key] = (GdsReader(self.path, self.data_offset, self.n_bytes, config=self.config,
                                           file_id=self.file_id) if mode == "gds" else
-                                DeviceSink(self._reader(name), mode))
+                                DeviceSink(self._reader(name), mode, **rowcache.device_cache_args(self, name)))
         return self._sinks[key]
 
     def _gds_faster(self) -> tuple[bool, str]:
@@ -162,12 +200,20 @@ class Table:
     def _typical_window(self) -> int:
         return -(-self.row_bytes // self.align) * self.align
 
+    def stats(self) -> dict:
+        """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
+        cache_hits, cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache
+        holds now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
+        return rowcache.table_stats(self)
+
+    @_locked
     def read_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:
         """Raw bytes of the plan's unique rows, uint8 [plan.n_unique, row_bytes], in plan order."""
         if plan.n_unique == 0:
             return np.empty((0, self.row_bytes), np.uint8)
-        return self._reader(backend).read(plan)
+        return rowcache.read_through(self, self._reader(backend), plan)   # cache hits + fresh reads
 
+    @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):
         """The raw quantized rows behind `ids`: uint8 of shape ids.shape + (row_bytes,).
 
@@ -205,6 +251,7 @@ class Table:
             return t if name == "float32" else t.to(getattr(torch, name))
         return _cast_numpy(self._gather_host(ids, backend), name)
 
+    @_locked                # the kernel is queued before another thread's fetch can overwrite the staging
     def _gather_device(self, ids, backend: str, dtype: str, stream):
         """GPU flavour: rows read into GPU memory (see fetch_device), dequantized and scattered by the CUDA kernel
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
@@ -224,11 +271,9 @@ class Table:
         return rows[plan.inverse].reshape(plan.shape + (self.row_elems,))
 
     # -- lifetime --------------------------------------------------------------------------------------------
+    @_locked
     def close(self) -> None:
-        for r in list(self._sinks.values()) + list(self._readers.values()):
-            r.close()
-        self._sinks.clear()
-        self._readers.clear()
+        self._fin()
         self._meta = None
         self.closed = True
 
