@@ -130,7 +130,7 @@ def _cache_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
     try:
         n = int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):     # OverflowError: inf
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256M, 0, auto)") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"the cache size must be >= 0, got {text!r}")

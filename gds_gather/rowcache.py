@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import forksafe
+
 log = logging.getLogger(__name__)
 
 CACHED_BACKENDS = ("direct", "gds")   # the engine; the baselines stay faithful to what they emulate (no cache)
@@ -176,11 +178,15 @@ class RowCache:
     store=False keeps the index and policy only (the device cache keeps the bytes in GPU memory).
     """
 
-    def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True):
+    _FORK_LOCKS = ("lock",)
+
+    def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True, max_rows: int | None = None):
         self.row_bytes = int(row_bytes)
         self.budget = int(budget)
         self.file_id = file_id
         self.capacity = capacity_for(self.budget, self.row_bytes)
+        if max_rows is not None:            # never more slots than the table has rows (a budget above its size)
+            self.capacity = min(self.capacity, int(max_rows))
         C = self.capacity
         self.index = HashIndex(C)
         self.sketch = FreqSketch(C, period=10 * max(C, 1))
@@ -195,6 +201,7 @@ class RowCache:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)
         self.lock = threading.Lock()
+        forksafe.track(self)
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
         self._age = 0
         self.gen = 0                                    # admissions so far (see admit)
@@ -298,13 +305,18 @@ class RowCache:
             self.n_used = self._age = 0
 
     def close(self) -> None:
-        self.data = np.zeros((0, self.row_bytes), np.uint8)
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:   # a caller still holds a view: the GC unmaps it
-                pass
-            self._map = None
+        # under the lock, and empty first: a thread that still holds this cache then only misses (admit returns)
+        with self.lock:
+            self.capacity = self.n_used = 0
+            self.index = HashIndex(0)
+            self.slot_row = self.slot_row[:0]
+            self.data = np.zeros((0, self.row_bytes), np.uint8)
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:   # a caller still holds a view: the GC unmaps it
+                    pass
+                self._map = None
 
 
 # -- one cache per file identity, shared by every Table of this process ------------------------------------------
@@ -318,17 +330,18 @@ def cache_for(table) -> RowCache | None:
     budget = budget_for(table.config.cache_bytes, table.n_bytes)
     if budget <= 0:
         return None
-    key = (str(table.path), table.file_id, table.data_offset, table.row_bytes)
+    key = _key(table, budget)
     with _CACHES_LOCK:
         c = _CACHES.get(key)
-        if c is not None and c.budget == budget:
+        if c is not None:
             _CACHES.move_to_end(key)
             return c
         if capacity_for(budget, table.row_bytes) == 0:
             return None
-        for k in [k for k in _CACHES if k[0] == key[0] or k == key]:   # same path, other identity: stale
+        for k in [k for k in _CACHES if k[0] == key[0] and k[1] != key[1]]:   # same path, other identity: stale
             _CACHES.pop(k).close()
-        c = _CACHES[key] = RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id)
+        c = _CACHES[key] = RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
+                                    max_rows=table.n_rows)
         while len(_CACHES) > MAX_FILES:
             _CACHES.popitem(last=False)[1].close()
         log.info("%s: row cache of %d rows (%d bytes budget)", table.path.name, c.capacity, budget)
@@ -402,9 +415,25 @@ def _count_reader(io: dict, reader, pc0: int, d0, n: int) -> None:
 IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "cache_hits", "cache_misses")
 
 
+def _key(table, budget: int) -> tuple:
+    # the file's identity, where the table lies in it, and the budget (Tables of one file with different budgets
+    # keep caches of their own instead of replacing each other's on every call)
+    return str(table.path), table.file_id, table.data_offset, table.row_bytes, budget
+
+
 def _existing(table) -> RowCache | None:
     with _CACHES_LOCK:
-        return _CACHES.get((str(table.path), table.file_id, table.data_offset, table.row_bytes))
+        return _CACHES.get(_key(table, budget_for(table.config.cache_bytes, table.n_bytes)))
+
+
+def _forget_in_child() -> None:
+    # a forked child: another parent thread may have been changing a cache (or held this lock) at fork()
+    global _CACHES_LOCK
+    _CACHES_LOCK = threading.Lock()
+    _CACHES.clear()
+
+
+forksafe.on_child(_forget_in_child)
 
 
 def table_stats(table) -> dict:
@@ -424,5 +453,6 @@ def device_cache_args(table, backend: str) -> dict:
     budget = budget_for(table.config.cache_bytes, table.n_bytes)
     if backend not in CACHED_BACKENDS or budget <= 0 or capacity_for(budget, table.row_bytes) == 0:
         return {}
-    return {"cache": RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id, store=False),
+    return {"cache": RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id, store=False,
+                              max_rows=table.n_rows),
             "replan": table.plan, "io": table._io}

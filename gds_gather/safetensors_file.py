@@ -86,7 +86,7 @@ def read_header(path) -> tuple[dict, int, dict]:
         raise NotSafetensorsError(f"{path}: not a safetensors file (no JSON header after the length)")
     try:
         hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: absurd nesting
         if isinstance(e, HeaderError):
             raise HeaderError(f"{path}: {e}") from None
         raise NotSafetensorsError(f"{path}: not a safetensors file (bad JSON header: {e})") from None
@@ -133,7 +133,7 @@ def _index_shards(index: Path) -> dict[str, Path]:
     """weight name -> shard path from a model.safetensors.index.json (shard names must be plain file names)."""
     try:
         doc = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: absurd nesting
         raise NotSafetensorsError(f"{index}: not a safetensors index (bad JSON: {e})") from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -224,7 +224,7 @@ def load_text_config(config_dir) -> dict:
         return {}
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: absurd nesting
         raise HeaderError(f"{f}: bad JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise HeaderError(f"{f}: not a JSON object")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, quants, rowcache
+from . import arrays, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
@@ -21,6 +21,7 @@ from .storage import filesystem
 
 log = logging.getLogger(__name__)
 
+_NO_GPU = object()          # Table._last_stream before any device fetch
 DEFAULT_TENSOR = "per_layer_token_embd.weight"
 
 
@@ -72,6 +73,8 @@ class Table:
     `path`), path (the shard holding the table), name, arch, n_bytes.
     """
 
+    _FORK_LOCKS = ("_lock",)
+
     def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
         self.config = config or Config.from_env()
         info, reader, meta_reader = _locate(path, tensor)
@@ -102,8 +105,9 @@ class Table:
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
+        forksafe.track(self)                # ... and to use in a forked child
         self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
-        self._last_stream = None            # the GPU stream of the last device fetch (another thread's may differ)
+        self._last_stream = _NO_GPU         # the GPU stream of the last device fetch (another thread's may differ)
         self._fin = weakref.finalize(self, _release, self._readers, self._sinks)   # an unclosed Table frees too
 
     # -- metadata ------------------------------------------------------------------------------------------
@@ -157,7 +161,7 @@ class Table:
         key = f"{name}@{mode}"
         if key not in self._sinks:
             log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
-        if self._last_stream is not None and self._last_stream is not stream:
+        if self._last_stream is not _NO_GPU and self._last_stream is not stream:
             arrays.cupy_stream(self._last_stream).synchronize()   # another stream may still read the staging
         self._last_stream = stream
         return self._sink(name, mode).fetch(plan, stream)
@@ -211,6 +215,9 @@ class Table:
         """Raw bytes of the plan's unique rows, uint8 [plan.n_unique, row_bytes], in plan order."""
         if plan.n_unique == 0:
             return np.empty((0, self.row_bytes), np.uint8)
+        if self._last_stream is not _NO_GPU:     # the GPU may still read the staging this host read reuses
+            arrays.cupy_stream(self._last_stream).synchronize()
+            self._last_stream = _NO_GPU
         return rowcache.read_through(self, self._reader(backend), plan)   # cache hits + fresh reads
 
     @_locked

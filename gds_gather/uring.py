@@ -25,6 +25,7 @@ import weakref
 
 import numpy as np
 
+from . import forksafe
 from .errors import ReadError
 from .planner import split_extents
 
@@ -130,6 +131,8 @@ class Ring:
 
     max_chunk = MAX_CHUNK      # tests lower it to exercise the splitting of large extents
 
+    _FORK_LOCKS = ("_lock",)
+
     def __init__(self, depth: int = 128):
         p = _Params()
         self.fd = _sys(SYS_SETUP, ctypes.c_uint32(depth), ctypes.byref(p))
@@ -166,6 +169,7 @@ class Ring:
             self.close()
             raise
         self._lock = threading.Lock()
+        forksafe.track(self)
         self.buffer_registered = False
         self.files_registered = False
         self.inject = None     # tests: callable(res int32[k], user_data[k]) -> res, applied to completions

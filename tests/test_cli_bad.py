@@ -80,6 +80,7 @@ CASES = [
     ("rows-unaddressable", ["make-model", "qwen4exp", "--rows", str(2**31 + 1), "-o", "x.gguf"], {}, "--rows"),
     ("rows-0", ["make-model", "qwen4exp", "--rows", "0", "-o", "x.gguf"], {}, "--rows"),
     ("seed-negative", ["make-model", "qwen4exp", "--rows", "100", "--seed", "-1", "-o", "x.gguf"], {}, "--seed"),
+    ("cache-inf", ["prefill", M, "--cache", "inf"], {}, "--cache"),
     ("ubatch-0", ["prefill", M, "--ubatch", "0"], {}, "--ubatch"),
     ("ubatch-negative", ["prefill", M, "--ubatch", "-4"], {}, "--ubatch"),
     ("queue-depth-0", ["prefill", M], {"GDS_GATHER_QUEUE_DEPTH": "0"}, "GDS_GATHER_QUEUE_DEPTH"),

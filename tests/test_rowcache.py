@@ -55,7 +55,7 @@ def test_any_batches_return_the_files_rows_within_budget(table, batches, budget,
             c = rowcache._existing(t)
             if c is not None:
                 assert c.nbytes <= c.budget == budget
-                assert c.n_used <= c.capacity == capacity_for(budget, t.row_bytes)
+                assert c.n_used <= c.capacity == min(capacity_for(budget, t.row_bytes), N_ROWS)
                 used = c.slot_row[:c.n_used]
                 assert np.unique(used).size == used.size               # a row lives in one slot
                 np.testing.assert_array_equal(c.index.get(used), np.arange(c.n_used))
@@ -188,3 +188,49 @@ def test_device_cache_returns_the_rows_and_serves_hits(table):
         assert s["rows_from_cache"] >= 4 * 4 and s["cache_bytes"] > 0
         sink = next(iter(t._sinks.values()))
         assert sink.cache is not None and sink.cache.n_used == 4
+
+
+def test_a_cache_closed_while_a_table_uses_it_only_misses(table):
+    """Another thread may close the cache a read already holds (drop_all, a stale identity, the LRU of files):
+    the read then misses and reads the file, never indexes into freed rows."""
+    path, raw, _ = table
+    ids = np.arange(0, N_ROWS, 3)
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+        t.read_rows(ids, "direct")
+        c = rowcache._existing(t)
+        assert c.n_used == ids.size
+        c.close()                                      # as drop_all() in another thread would, mid-use
+        assert c.capacity == c.n_used == 0
+        slots = c.lookup(ids)
+        assert (slots == -1).all() and (c.admit(ids, raw[ids]) == -1).all()
+        real = rowcache.cache_for
+        rowcache.cache_for = lambda table: c           # the read holds the closed cache
+        try:
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        finally:
+            rowcache.cache_for = real
+
+
+def test_tables_of_one_file_keep_their_own_caches(tmp_path, ggufs):
+    """Two tensors of one file (and two budgets of one tensor) do not replace each other's cache on every call."""
+    path = ggufs.write(tmp_path / "two.gguf", ggufs.rows(Q.Q8_0, 200, 160, seed=5), Q.Q8_0)
+    ids = np.arange(0, 3)
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as a, \
+            gg.open_table(path, tensor="token_embd.weight", config=gg.Config(cache_bytes=1 << 20)) as b, \
+            gg.open_table(path, config=gg.Config(cache_bytes=1 << 19, page_cache_reads=0)) as c:
+        for _ in range(3):
+            for t in (a, b, c):
+                t.read_rows(ids, "direct")
+        assert a.stats()["rows_from_cache"] == 6 and c.stats()["rows_from_cache"] == 6
+        assert rowcache._existing(a) is not rowcache._existing(c)
+
+
+def test_a_budget_above_the_table_holds_at_most_its_rows(table):
+    path, raw, _ = table
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 42, page_cache_reads=0)) as t:   # 4 TiB
+        ids = np.arange(N_ROWS)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw)
+        c = rowcache._existing(t)
+        assert c.capacity == N_ROWS and c.n_used == N_ROWS
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw)
+        assert t.stats()["rows_from_cache"] == N_ROWS

@@ -144,6 +144,7 @@ def _entry(offsets, dtype="F32", shape=(2, 4)):
     ("bad_shape", gg.HeaderError, "shape"),
     ("bad_offsets", gg.HeaderError, "data_offsets"),
     ("extra_field", gg.HeaderError, "exactly dtype"),
+    ("deep_nesting", NotSafetensorsError, "not a safetensors file"),     # json's RecursionError, caught
 ])
 def test_bad_headers(tmp_path, case, err, match):
     p = tmp_path / "model.safetensors"
@@ -158,6 +159,8 @@ def test_bad_headers(tmp_path, case, err, match):
         _write_raw(p, b"{not json at all}")
     elif case == "not_object":
         _write_raw(p, b"[1, 2, 3]")
+    elif case == "deep_nesting":
+        _write_raw(p, b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}")
     elif case == "duplicate":
         _write_raw(p, ('{"%s": %s, "%s": %s}' % (PLE, json.dumps(_entry([0, 32])), PLE,
                                                  json.dumps(_entry([32, 64])))).encode(), data)

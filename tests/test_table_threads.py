@@ -121,3 +121,47 @@ def test_forked_processes_and_the_parent_read_exactly(table_file, backend, kw, e
         assert [p.exitcode for p in procs] == [0, 0, 0]
         _hammer(t, backend, rows, 8, 20, bad)       # and its ring still works afterwards
         assert not bad
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_another_thread_reads_does_not_hang(table_file):
+    """fork() while a parent thread holds the Table's, the reader's, the ring's or the row cache's lock: the child
+    gets fresh locks (gds_gather.forksafe) and reads exactly, instead of waiting forever for a thread it lacks."""
+    import signal
+    import time
+    path, oracle = table_file
+    t = gg.open_table(path, config=gg.Config(cache_bytes=1 << 20))
+    t.read_rows(np.arange(10), "direct")
+    stop = threading.Event()
+
+    def loop():
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            t.read_rows(rng.integers(0, oracle.shape[0], 4096), "direct")
+    th = threading.Thread(target=loop)
+    th.start()
+    hung = wrong = 0
+    try:
+        for i in range(8):
+            time.sleep(0.03)
+            pid = os.fork()
+            if pid == 0:                                        # the child: exit 0 only with exact rows
+                ids = np.arange(i, 5000, 7)
+                os._exit(0 if np.array_equal(t.read_rows(ids, "direct"), oracle[ids]) else 3)
+            deadline = time.monotonic() + 10
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    wrong += os.waitstatus_to_exitcode(status) != 0
+                    break
+                if time.monotonic() > deadline:
+                    hung += 1
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.02)
+    finally:
+        stop.set()
+        th.join()
+        t.close()
+    assert (hung, wrong) == (0, 0)
