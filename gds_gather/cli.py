@@ -148,7 +148,7 @@ def cmd_prefill(args, cfg: Config) -> int:
     args.tokens = 8192 if args.tokens is None else args.tokens
     from .prefill import run_prefill
     result = run_prefill(args.model, cfg, prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch,
-                         backend=args.backend, graph=not args.no_graph, cold=args.cold, trunk=args.trunk,
+                         backend=args.backend, graph=not args.no_graph, cold=args.cold, drop_caches=args.drop_caches, trunk=args.trunk,
                          dtype=args.dtype, progress=not args.json, log=print if not args.json else None,
                          cache=args.cache)
     if args.json:
@@ -199,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length in tokens (default 8192; --hf: 2048)")
     s.add_argument("--ubatch", type=_int_in(1, MAX_UBATCH), default=2048, help="tokens per ubatch (default 2048)")
     s.add_argument("--backend", default=None, help="force a backend (default: auto, or GDS_GATHER_BACKEND)")
-    s.add_argument("--cold", action="store_true", help="drop the page cache first (root), else evict the file")
+    s.add_argument("--cold", action="store_true",
+                   help="evict the table file from the page cache first (posix_fadvise; touches nothing else)")
+    s.add_argument("--drop-caches", action="store_true",
+                   help="empty the WHOLE machine's page cache first (echo 3 > /proc/sys/vm/drop_caches; root)")
     s.add_argument("--no-graph", action="store_true", help="run the GPU steps eagerly (no CUDA graph)")
     s.add_argument("--trunk", choices=("real", "tiny", "none"),
                    help="synthetic trunk: real shapes (GPU default), tiny (CPU default), none (CPU: fetch only)")

@@ -71,12 +71,15 @@ class RowMapper:
 def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
                 ubatch: int = 2048, backend: str | None = None, graph: bool = True, cold: bool = False,
                 trunk: str | None = None, dtype: str = "bfloat16", seed: int = 0, progress: bool = True,
-                log=print, collect: bool = False, tokens_override=None, cache: int | None = None) -> dict:
+                log=print, collect: bool = False, tokens_override=None, cache: int | None = None,
+                drop_caches: bool = False) -> dict:
     """Run the prefill: on the GPU (graph-captured fetch-dequant + trunk) where there is one, else on the CPU.
 
     trunk: 'real' (the preset's shapes; default on a GPU), 'tiny' (default on the CPU, where real shapes would
     take minutes per ubatch) or 'none' (CPU only: the PLE fetch alone). collect=True returns each ubatch's
     per-layer inputs and hidden states under "outputs" (tests); tokens_override replaces the prompt.
+    cold: evict the table file's pages from the page cache first (posix_fadvise; nothing else is touched);
+    drop_caches: instead empty the WHOLE machine's page cache (root; what `--drop-caches` asks for).
     """
     from . import measure
     from .pipeline import CpuPrefill, GpuPrefill
@@ -99,7 +102,12 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         mapper = RowMapper(t)
         tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
                   prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens, tokenizer=mapper.tokenizer))
-        if cold and not measure.drop_caches():
+        cold = cold or drop_caches
+        if drop_caches and not measure.drop_caches():
+            if log:
+                log("note      --drop-caches needs root: evicting the table file only")
+            drop_caches = False
+        if cold and not drop_caches:
             measure.evict_file(t.path)
         cache0 = measure.resident_bytes(t.path)
         if gpu:
@@ -112,10 +120,11 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             log(f"model     {path} ({t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x {t.row_bytes} B)")
             log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
                 f"tokenizer {mapper.tokenizer_name}), "
-                f"{n_ub} ubatches of {ubatch}{', cold cache' if cold else ''}")
+                f"{n_ub} ubatches of {ubatch}"
+                f"{(', system page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
-            log("pipeline  " + (f"GPU, {'CUDA graph per ubatch size' if graph else 'eager (no graph)'}, "
+            log("pipeline  " + (f"GPU, {'CUDA graph per (ubatch size, slot)' if pipe.graph else 'eager'} ({pipe.graph_why}), "
                                  f"{pipe.how}, trunk {trunk} ({dtype})" if gpu else
                                  "CPU (no GPU here): read -> gguf dequantize -> " +
                                  (f"torch CPU trunk ({trunk})" if trunk != "none" else "no trunk (the PLE fetch only)")

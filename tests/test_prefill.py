@@ -78,9 +78,18 @@ def test_cpu_pipeline_figures(model):
     assert res["tok_per_s"] > 0 and res["rows_per_s"] > 0 and res["ple_wait_share"] is None
 
 
-def test_cold_flag_runs(model):
+def test_cold_evicts_the_table_file_only(model, monkeypatch):
+    """cold=True evicts the table file (never the whole machine's page cache); drop_caches=True asks for the
+    system-wide drop and falls back to the file when refused (not root)."""
+    from gds_gather import measure
+    asked, evicted = [], []
+    monkeypatch.setattr(measure, "drop_caches", lambda: asked.append(1) or False)
+    real_evict = measure.evict_file
+    monkeypatch.setattr(measure, "evict_file", lambda p: evicted.append(p) or real_evict(p))
     res = run_prefill(model, n_tokens=100, ubatch=100, progress=False, log=None, trunk="none", cold=True)
-    assert res["cold"] is True
+    assert res["cold"] is True and asked == [] and len(evicted) == 1
+    res = run_prefill(model, n_tokens=100, ubatch=100, progress=False, log=None, trunk="none", drop_caches=True)
+    assert res["cold"] is True and asked == [1] and len(evicted) == 2
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------
