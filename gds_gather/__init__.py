@@ -8,8 +8,10 @@ Importing this package never touches the GPU, cupy or kvikio.
 """
 from .backends import Backend, backends
 from .config import Config
-from .errors import (BackendError, BadIdsError, GatherError, HeaderError, NotGGUFError, ReadError, RowWidthError,
-                     TableNotFoundError, TruncatedFileError, UnsupportedTypeError)
+from .arrays import BadDtypeError
+from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelMismatchError, NotGGUFError,
+                     NotSafetensorsError, ReadError, RowWidthError, TableNotFoundError, TruncatedFileError,
+                     UnsupportedTypeError)
 from .planner import ReadPlan, plan_rows
 from .table import DEFAULT_TENSOR, Table, open_table
 
@@ -18,5 +20,14 @@ __version__ = "0.1.0"
 __all__ = [
     "open_table", "Table", "backends", "Backend", "Config", "plan_rows", "ReadPlan", "DEFAULT_TENSOR",
     "GatherError", "NotGGUFError", "HeaderError", "TruncatedFileError", "TableNotFoundError",
-    "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError",
+    "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError", "BadDtypeError",
+    "ModelMismatchError", "NotSafetensorsError", "offload_per_layer_embeddings",
 ]
+
+
+def __getattr__(name):
+    # the transformers integration imports torch: load it on first use only (`import gds_gather` stays light)
+    if name == "offload_per_layer_embeddings":
+        from .hf import offload_per_layer_embeddings
+        return offload_per_layer_embeddings
+    raise AttributeError(f"module 'gds_gather' has no attribute {name!r}")

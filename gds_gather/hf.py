@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backends import resolve, resolve_device
+from .backends import choose_device, resolve
 from .config import Config
 from .errors import BadIdsError, ModelMismatchError
 from .quants import Q
@@ -111,8 +111,7 @@ class DiskEmbedding(torch.nn.Module):
         stream straight into the weight dtype."""
         t = self.table
         if self.device_backend is None:
-            self.device_backend = resolve_device(self.backend, t.config, window_bytes=t._typical_window(),
-                                                 gds_faster=t._gds_faster)
+            self.device_backend = choose_device(t, self.backend, t.config)   # what Table.fetch_device will use
         self.row_ids += ids_np.size
         self.rows_read += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):

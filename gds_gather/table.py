@@ -113,7 +113,8 @@ class Table:
     # -- metadata ------------------------------------------------------------------------------------------
     @property
     def reader(self):
-        """The gguf.GGUFReader of the model's first shard (metadata)."""
+        """The metadata reader of the model's first shard (gguf_parse's bounded parser for GGUF: get_field(key)
+        like gguf.GGUFReader's; the safetensors header for a checkpoint)."""
         return self._meta
 
     def field(self, key: str, default=None):
