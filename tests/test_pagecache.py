@@ -157,3 +157,28 @@ def test_mixed_read_errors_still_raise(wide):
 
 def test_pagecache_is_page_sized():
     assert PAGE == mmap.PAGESIZE
+
+
+def test_cachestat_spares_the_mincore_of_a_cold_file(wide):
+    """A due refresh of a file with nothing cached costs one cachestat, no mincore; once pages are cached the next
+    due refresh runs mincore and sees them; an unchanged count keeps the map."""
+    path, raw = wide
+    gc.collect()
+    with gg.open_table(path) as t:
+        res = Residency(path, t.data_offset, t.n_bytes)
+        try:
+            if res.cached() is None:
+                pytest.skip("no cachestat on this kernel")
+            measure.evict_file(path)
+            res._last = -float("inf")
+            assert res.rows_resident(np.arange(100, 200), t.row_bytes) is None
+            assert res.refreshes == 0 and res.skipped == 1 and not res.any
+            _warm(path, 0, os.path.getsize(path))
+            res._last = -float("inf")
+            got = res.rows_resident(np.arange(100, 200), t.row_bytes)
+            assert res.refreshes == 1 and got is not None and got.all()
+            res._last = -float("inf")
+            assert res.rows_resident(np.arange(100, 200), t.row_bytes).all()
+            assert res.refreshes == 1 and res.skipped == 2          # nothing changed: the map kept
+        finally:
+            res.close()
