@@ -213,7 +213,17 @@ def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int 
         raise ValueError("row_bytes must be > 0; n_rows, data_offset, max_gap, max_window, max_waste >= 0")
     arr = check_ids(ids, n_rows)
     unique, inverse = dedup(arr.ravel(), n_rows)
+    return plan_unique(unique, row_bytes=row_bytes, data_offset=data_offset, align=align, max_gap=max_gap,
+                       max_window=max_window, max_waste=max_waste, inverse=inverse, shape=tuple(arr.shape))
 
+
+def plan_unique(unique: np.ndarray, *, row_bytes: int, data_offset: int, align: int = 4096, max_gap: int = 0,
+                max_window: int = 0, max_waste: float | None = None, inverse: np.ndarray | None = None,
+                shape: tuple | None = None) -> ReadPlan:
+    """The plan of rows already unique and ascending (int64, in range: the caller checked them), e.g. the misses
+    of a plan's rows: no validation, no second sort (inverse defaults to the identity)."""
+    if inverse is None:
+        inverse = np.arange(unique.shape[0], dtype=np.int64)
     start = data_offset + unique * row_bytes
     win_offsets, win_lengths, row_window = windows(start, row_bytes, align, max_gap, max_window, max_waste)
     win_staging = np.zeros_like(win_lengths)
@@ -221,6 +231,7 @@ def plan_rows(ids, *, n_rows: int, row_bytes: int, data_offset: int, align: int 
         np.cumsum(win_lengths[:-1], out=win_staging[1:])
     row_staging = win_staging[row_window] + (start - win_offsets[row_window])
     return ReadPlan(
-        shape=tuple(arr.shape), row_bytes=int(row_bytes), data_offset=int(data_offset), align=int(align),
+        shape=(unique.shape[0],) if shape is None else shape, row_bytes=int(row_bytes),
+        data_offset=int(data_offset), align=int(align),
         unique_rows=unique, inverse=inverse, win_offsets=win_offsets, win_lengths=win_lengths,
         win_staging=win_staging, row_window=row_window, row_staging=row_staging)

@@ -38,6 +38,8 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _SKETCH_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                          np.uint64)
 EMPTY, TOMB = -1, -2
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_OK = [True]
 
 
 def budget_for(cfg_bytes: int, table_bytes: int) -> int:
@@ -207,6 +209,7 @@ class RowCache:
         self.gen = 0                                    # admissions so far (see admit)
         self._hand = 0
         self._mark = np.zeros(C, np.uint8)
+        self._faulted = 0                               # bytes of the row mapping prefault() populated
         self.hits = self.misses = self.admitted = self.evicted = 0
 
     @property
@@ -295,6 +298,26 @@ class RowCache:
             out[pick] = slots
             self.admitted += pick.shape[0]
         return out
+
+    def prefault(self, k: int) -> None:
+        """Fault in the pages of the next k free slots (where the next admissions land) without changing their
+        bytes (MADV_POPULATE_WRITE, Linux 5.14+; nothing where the kernel lacks it). Called while a read is in
+        flight: a first touch of fresh anonymous memory costs ~0.2 ms per MiB on the development VM (admitting 300
+        gemma4-e4b rows: 0.9 ms into fresh pages, 0.45 ms into touched ones), which then overlaps the device."""
+        with self.lock:                     # (close() unmaps under it)
+            if self._map is None or not _POPULATE_OK[0]:
+                return
+            lo = max(self.n_used * self.row_bytes, self._faulted)
+            lo -= lo % mmap.PAGESIZE
+            hi = min(self.n_used + int(k), self.capacity) * self.row_bytes
+            if hi <= lo:
+                return
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
+            except OSError:                 # EINVAL: a kernel before 5.14
+                _POPULATE_OK[0] = False
+                return
+            self._faulted = max(self._faulted, hi)
 
     def clear(self) -> None:
         with self.lock:
@@ -392,7 +415,8 @@ def read_through(table, reader, plan) -> np.ndarray:
     if nh < U:
         miss = ~hit
         rows = plan.unique_rows[miss]
-        fresh = reader.read(table.plan(rows)) if nh else reader.read(plan)
+        kw = {"during_io": lambda: cache.prefault(rows.shape[0])} if hasattr(reader, "during_io") else {}
+        fresh = reader.read(_miss_plan(table, rows) if nh else plan, **kw)
         if nh:
             out[miss] = fresh
         else:
@@ -404,6 +428,14 @@ def read_through(table, reader, plan) -> np.ndarray:
         with cache.lock:
             cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out
+
+
+def _miss_plan(table, rows: np.ndarray):
+    """The plan of a plan's missing rows (unique, ascending, checked): windows only, no second dedup."""
+    from .planner import plan_unique
+    c = table.config
+    return plan_unique(rows, row_bytes=table.row_bytes, data_offset=table.data_offset, align=table.align,
+                       max_gap=c.max_gap, max_window=c.max_window, max_waste=c.max_waste)
 
 
 def _count_reader(io: dict, reader, pc0: int, d0, n: int) -> None:

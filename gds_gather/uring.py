@@ -219,7 +219,8 @@ class Ring:
 
     # -- the batched read loop -----------------------------------------------------------------------------
     def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
-             align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None) -> None:
+             align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None,
+             between=None) -> None:
         """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i.
 
         Keeps up to `queue_depth` reads in flight. expect[i] (default lengths[i]) is how many bytes the file
@@ -229,6 +230,8 @@ class Ring:
         lat_ns (optional, int64 [n]): filled with each extent's latency in ns as this thread sees it, from just
         before the io_uring_enter that first submits it to the return of the one that reaps its last completion
         (benchmarks; stamped per batch with numpy, nothing is done when it is None).
+        between (optional callable): called once, right after the first submission, while those reads are in
+        flight (the caller's CPU work overlaps the device's); an exception from it drains the ring and propagates.
         Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
         """
         if not self._lock.acquire(blocking=False):
@@ -252,7 +255,7 @@ class Ring:
                 lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
             try:
                 self._read(fd, offsets, lengths, addrs, expect, int(align), path,
-                           min(queue_depth or self.sq_entries, self.sq_entries), lat)
+                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between)
             except BaseException:
                 self._drain(path)      # the original exception goes on; a second one met while draining is dropped
                 raise
@@ -337,7 +340,7 @@ class Ring:
         _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n), ctypes.c_uint(ENTER_GETEVENTS),
              None, ctypes.c_size_t(0))
 
-    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None) -> None:
+    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None) -> None:
         n = offsets.shape[0]
         if lat is not None:
             first = np.zeros(n, np.int64)      # time of each extent's first submission
@@ -376,6 +379,8 @@ class Ring:
                 break
             # wait for a quarter of the queue once it is full (or nothing is left to submit), else just submit
             wait = min(inflight, max(1, qd // 4)) if inflight >= qd or pos >= todo.shape[0] else 0
+            if between is not None:     # submit only: the caller's work runs while these reads are in flight
+                wait = 0
             to_submit = unsubmitted + max(k, 0)
             if lat is not None and k > 0:
                 f = first[idx]
@@ -384,6 +389,9 @@ class Ring:
                                            ctypes.c_uint(wait), ctypes.c_uint(ENTER_GETEVENTS), None,
                                            ctypes.c_size_t(0))
             self.enters += 1
+            if between is not None:
+                fn, between = between, None
+                fn()
             if lat is not None:
                 reaped = time.perf_counter_ns()
             head, tail = int(self._cq_head[0]), int(self._cq_tail[0])

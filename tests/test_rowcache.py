@@ -234,3 +234,29 @@ def test_a_budget_above_the_table_holds_at_most_its_rows(table):
         assert c.capacity == N_ROWS and c.n_used == N_ROWS
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw)
         assert t.stats()["rows_from_cache"] == N_ROWS
+
+
+def test_prefault_keeps_the_rows_and_the_budget():
+    """prefault() only faults pages in: cached rows keep their bytes, later admissions land as before, and it
+    never reaches past the cache's slots."""
+    rb = 1000
+    c = RowCache(row_bytes=rb, budget=1 << 20)
+    rng = np.random.default_rng(5)
+    rows = np.sort(rng.choice(10_000, 300, replace=False))
+    data = rng.integers(0, 256, (300, rb), dtype=np.uint8)
+    with c.lock:
+        c.lookup(rows[:100])
+        c.admit(rows[:100], data[:100])
+    c.prefault(150)
+    c.prefault(10 * c.capacity)
+    assert c._faulted <= c.capacity * rb
+    with c.lock:
+        c.lookup(rows[100:])
+        c.admit(rows[100:], data[100:])
+        slots = c.lookup(rows)
+    ok = slots >= 0
+    assert ok[:100].all()
+    np.testing.assert_array_equal(c.data[slots[ok]], data[ok])
+    assert c.nbytes <= c.budget
+    c.close()
+    c.prefault(10)                      # closed: nothing to fault, no error
