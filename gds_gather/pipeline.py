@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -383,41 +384,64 @@ class CpuPrefill:
             return (x.view(n, n_layer, 256) * 16.0).permute(1, 0, 2).contiguous()
         return x.view(n, -1)
 
+    def _fetch(self, tok: np.ndarray):
+        """Row ids, plan and raw rows of one ubatch (run in order, on the reader thread)."""
+        t = self.t
+        a = time.perf_counter()
+        ids = self.mapper(tok)
+        plan = t.plan(ids)
+        b = time.perf_counter()
+        r = t._reader(self.backend)
+        before = r.bytes_read
+        raw = t.read_plan(plan, self.backend)
+        return plan, raw, r.bytes_read - before, b - a, time.perf_counter() - b
+
     def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
-        torch, t, st = self.torch, self.t, self.stats
+        """Ubatch k+1 is read on a reader thread while ubatch k is dequantized (and run through the trunk) here,
+        as the GPU pipeline reads into the other staging slot: the reads' waits release the GIL and numpy's
+        dequantization mostly does too. One reader thread, so the ubatches are mapped and read in order."""
         outs = []
+        starts = list(range(0, tokens.size, self.ubatch))
         t0 = time.perf_counter()
-        for k in range(0, tokens.size, self.ubatch):
-            tok = tokens[k:k + self.ubatch]
-            a = time.perf_counter()
-            ids = self.mapper(tok)
-            plan = t.plan(ids)
-            b = time.perf_counter()
-            r = t._reader(self.backend)
-            before = r.bytes_read
-            raw = t.read_plan(plan, self.backend)
-            c = time.perf_counter()
-            rows = quants.dequantize_rows(raw, t.qtype, t.row_elems)[plan.inverse]
-            st.tokens += tok.size
-            st.ple_rows += plan.n_ids
-            st.unique_rows += plan.n_unique
-            st.useful_bytes += plan.exact_bytes
-            st.bytes_read += r.bytes_read - before
-            st.index_seconds += b - a
-            st.io_seconds += c - b
-            if self.trunk is not None:
-                with torch.no_grad():
-                    tk = torch.from_numpy(tok.astype(np.int64))
-                    ple = self.trunk.ple_inputs(self.per_layer_rows(rows, tok.size), self.trunk.embed(tk))
-                    hid = self.trunk(tk, ple)
-                if collect:
-                    outs.append((ple.clone(), hid.clone()))
-            elif collect:       # torch when it is installed, like the trunk's outputs
-                outs.append((_as_torch(rows), None))
-            if progress:
-                progress(tok.size)
+        with ThreadPoolExecutor(1, thread_name_prefix="gds-gather-prefill-read") as ex:
+            nxt = ex.submit(self._fetch, tokens[:self.ubatch]) if starts else None
+            for i, k in enumerate(starts):
+                tok = tokens[k:k + self.ubatch]
+                plan, raw, nbytes, t_index, t_io = nxt.result()
+                if i + 1 < len(starts):
+                    nxt = ex.submit(self._fetch, tokens[starts[i + 1]:starts[i + 1] + self.ubatch])
+                try:
+                    self._consume(tok, plan, raw, nbytes, t_index, t_io, outs, collect)
+                except BaseException:
+                    nxt.cancel()
+                    raise
+                if progress:
+                    progress(tok.size)
         wall = time.perf_counter() - t0
-        res = st.as_dict(wall)
+        return self._result(wall, tokens, outs, collect)
+
+    def _consume(self, tok, plan, raw, nbytes, t_index, t_io, outs, collect) -> None:
+        torch, t, st = self.torch, self.t, self.stats
+        rows = quants.dequantize_rows(raw, t.qtype, t.row_elems)[plan.inverse]
+        st.tokens += tok.size
+        st.ple_rows += plan.n_ids
+        st.unique_rows += plan.n_unique
+        st.useful_bytes += plan.exact_bytes
+        st.bytes_read += nbytes
+        st.index_seconds += t_index
+        st.io_seconds += t_io
+        if self.trunk is not None:
+            with torch.no_grad():
+                tk = torch.from_numpy(tok.astype(np.int64))
+                ple = self.trunk.ple_inputs(self.per_layer_rows(rows, tok.size), self.trunk.embed(tk))
+                hid = self.trunk(tk, ple)
+            if collect:
+                outs.append((ple.clone(), hid.clone()))
+        elif collect:       # torch when it is installed, like the trunk's outputs
+            outs.append((_as_torch(rows), None))
+
+    def _result(self, wall, tokens, outs, collect) -> dict:
+        res = self.stats.as_dict(wall)
         res.update(pipeline="cpu", graph=False, backend=self.backend, destination="host",
                    backend_reason=self.why, how=self.how, ubatch=self.ubatch,
                    ubatches=math.ceil(tokens.size / self.ubatch) if tokens.size else 0)

@@ -239,11 +239,15 @@ def test_prefill_bench_interleaved(tmp_path, capsys, monkeypatch):
                                 "--backends", "direct,mmap,resident", "--out", str(tmp_path),
                                 "--json", *plot_args(tmp_path, "prefill")])
     line, out = last_json(capsys)
-    # one warm-up each, then A/B/C/A/B/C cold and A/B/C/A/B/C warm
-    assert order == ["direct", "mmap", "resident"] * 5
+    # one warm-up each, then A/B/C/A/B/C cold and A/B/C/A/B/C warm; then direct with the row cache carried: one
+    # untimed run filling it, two timed
+    assert order == ["direct", "mmap", "resident"] * 5 + ["direct"] * 3
     (m,) = line["models"]
     assert {(r["backend"], r["cache"]) for r in m["runs"]} == {(b, c) for b in ("direct", "mmap", "resident")
-                                                              for c in ("cold", "warm")}
+                                                              for c in ("cold", "warm")} | {("direct", "carried")}
+    cold = next(r for r in m["runs"] if r["backend"] == "direct" and r["cache"] == "cold")
+    carried = next(r for r in m["runs"] if r["cache"] == "carried")
+    assert cold["row_cache"]["rows_from_cache"] < carried["row_cache"]["rows_from_cache"]   # cold starts empty
     for r in m["runs"]:
         assert 0 < r["tok_per_s_min"] <= r["tok_per_s_median"] <= r["tok_per_s_max"] and len(r["tok_per_s_all"]) == 2
         assert r["tok_per_s_median"] == pytest.approx(sum(r["tok_per_s_all"]) / 2)     # a real median of two
@@ -253,7 +257,8 @@ def test_prefill_bench_interleaved(tmp_path, capsys, monkeypatch):
             assert r["bytes_requested"] == 0
             if r["bytes_delivered"] is not None:
                 assert r["bytes_delivered"] == 0
-    assert "direct cold (with the row cache) / resident (in memory before the clock)" in out
+    assert "direct cold (row cache empty at the start) / resident (in memory before the clock)" in out
+    assert "direct cold, row cache carried from the previous prompt of this process / resident" in out
     assert (tmp_path / "bench_prefill.json").exists()
     if res["facts"]["platform"] == "cpu":
         assert line["trunk"] == "none" and "trunk none: the PLE fetch + dequant alone" in out
