@@ -462,3 +462,26 @@ def test_direct_read_runs_during_io_once_on_every_engine(small_table):
             raw = np.fromfile(small_table, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, -1)
             np.testing.assert_array_equal(got, raw[plan.unique_rows])
             assert calls == [1] and r.during_io is None
+
+
+def test_staging_of_a_closed_reader_is_reused_once(small_table):
+    """A closed direct reader's staging goes to the pool and the next reader takes it (same memory, exact rows);
+    two live readers never share one; closing twice pools it once."""
+    raw = None
+    with gg.open_table(small_table) as t:
+        t.read_rows([1, 2], "direct")
+        r = t._readers["direct"]
+        if not r.odirect:
+            pytest.skip("no O_DIRECT here")
+        raw = np.fromfile(small_table, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, -1)
+        addr = r.staging.buf.ctypes.data
+    r.close()                                   # again: nothing pooled twice
+    with gg.open_table(small_table) as a, gg.open_table(small_table) as b:
+        ids = np.arange(0, a.n_rows, 2)
+        np.testing.assert_array_equal(a.read_rows(ids, "direct"), raw[ids])
+        np.testing.assert_array_equal(b.read_rows(ids[::-1], "direct"), raw[ids[::-1]])
+        sa, sb = a._readers["direct"].staging, b._readers["direct"].staging
+        assert sa is not sb and sa.buf.ctypes.data != sb.buf.ctypes.data
+        assert addr in (sa.buf.ctypes.data, sb.buf.ctypes.data)
+    readers.release_staging_pool()
+    assert not readers._POOL

@@ -61,7 +61,8 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm", action="store_true", help="no pass (c) (same as --warm none)")
     p.add_argument("--cache", help="row cache budget (e.g. 64M, 0 = off): Config(cache_bytes=...) where this build "
                                    "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
-    p.add_argument("--qd", type=int, default=128, help="queue depth of direct and of fio (default 128)")
+    p.add_argument("--qd", type=int, help="queue depth of direct and of fio (default: Config.queue_depth, "
+                                         "GDS_GATHER_QUEUE_DEPTH or 256)")
     p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
@@ -457,6 +458,8 @@ def run_gather(a, cfg: Config) -> dict:
     a.batch = a.batch or (1000 if q else 16_384)
     a.repeat = a.repeat or (2 if q else 3)
     a.fio_runtime = a.fio_runtime or (1 if q else 5)
+    if a.qd is None:
+        a.qd = cfg.queue_depth
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
     cfg, cache_note = apply_cache_option(cfg.with_(queue_depth=a.qd), a.cache)
