@@ -5,7 +5,7 @@ Residency comes from mincore over a read-only mapping of the table's span. One m
 about 4 ms on the development machine, as much as a whole warm batch, so it is not done per batch: the map is
 refreshed when it is older than max(interval, 50 x the last refresh's cost) (at most 2% of the time goes to it).
 Between refreshes the map can be wrong about pages another process loaded or the kernel evicted: a row believed
-cold is read O_DIRECT (correct, as before); before copying rows believed resident, 32 of their pages are checked
+cold is read O_DIRECT (correct, as before); before copying rows believed resident, 8 of their pages are checked
 with one mincore each, and any miss refreshes the map first (a bulk eviction never turns the copy into one major
 fault per row; a page evicted alone costs one fault, of that page only: MADV_RANDOM). A cold file (nothing
 resident) costs one mincore per refresh and nothing per batch.
@@ -135,8 +135,9 @@ class Residency:
             ok &= self.vec[np.minimum(first + k, last)].astype(bool)
         return ok
 
-    def _still_resident(self, pages: np.ndarray, samples: int = 32) -> bool:
-        """mincore of up to `samples` pages spread over those believed resident (one page each, ~1 us): a bulk
+    def _still_resident(self, pages: np.ndarray, samples: int = 8) -> bool:
+        """mincore of up to `samples` pages spread over those believed resident (one page each, ~15 us through
+        ctypes: 32 samples were 0.5 ms of a 2.5 ms warm gemma4-e4b batch): a bulk
         eviction since the last refresh (memory pressure, a benchmark going cold) shows up here, so the copy
         never turns into one major fault per row."""
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
@@ -150,7 +151,9 @@ class Residency:
 
     def take(self, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
         """Copy whole rows (resident pages: no I/O) into out, uint8 [len(rows), row_bytes]."""
-        np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out)
+        # mode="clip" (the rows are checked): with out= and the default "raise", numpy gathers into a temporary
+        # and copies it again (441 rows of 7,392 B: 0.80 ms vs 0.26 ms; 23,000 of 90 B: 0.65 vs 0.33 ms)
+        np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
 
     def close(self) -> None:
         if self._fd >= 0:

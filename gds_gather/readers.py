@@ -204,7 +204,7 @@ def rows_at(staging: np.ndarray, offsets: np.ndarray, row_bytes: int) -> np.ndar
     if not offsets.shape[0]:
         return np.empty((0, row_bytes), np.uint8)
     view = np.lib.stride_tricks.sliding_window_view(staging[:int(offsets.max()) + row_bytes], row_bytes)
-    return view[offsets]
+    return view[offsets]     # (not np.take: on this overlapping view it would copy the whole view first)
 
 
 def rows_from_windows(staging: np.ndarray, plan: ReadPlan) -> np.ndarray:
@@ -460,7 +460,8 @@ class _FdReader(Reader):
 
     def read(self, plan: ReadPlan, during_io=None) -> np.ndarray:
         """The plan's unique rows, uint8 [U, row_bytes]. during_io: a callable run once while the reads are in
-        flight (io_uring: right after the first submission; other engines and page-cache copies: before them)."""
+        flight (io_uring: right after the first submission; the thread pools: before them; not at all when every
+        row comes from the page cache)."""
         with self._lock:        # the rows are copied out before another thread's fetch can reuse the staging
             self.during_io = during_io
             try:
@@ -472,8 +473,7 @@ class _FdReader(Reader):
         if self.odirect and self.config.page_cache_reads:     # all resident: one copy, no staging
             self.check_file()
             res = self._resident(plan)
-            if res is not None and res.all():
-                self._run_during_io()
+            if res is not None and res.all():      # no read: during_io is not run
                 out = np.empty((plan.n_unique, plan.row_bytes), np.uint8)
                 self._pc.take(plan.unique_rows, plan.row_bytes, out)
                 self.bytes_read += out.nbytes
