@@ -260,3 +260,58 @@ def test_prefault_keeps_the_rows_and_the_budget():
     assert c.nbytes <= c.budget
     c.close()
     c.prefault(10)                      # closed: nothing to fault, no error
+
+
+def test_reserved_slots_are_misses_until_filled_and_never_victims():
+    rb = 100
+    c = RowCache(row_bytes=rb, budget=64 * (rb + 64) + 4096)
+    rng = np.random.default_rng(7)
+    rows = np.arange(0, 40, dtype=np.int64)
+    data = rng.integers(0, 256, (40, rb), dtype=np.uint8)
+    with c.lock:
+        c.lookup(rows)
+        slots = c.admit(rows, None, reserve=True)
+        assert (slots >= 0).any()
+        assert (c.lookup(rows) == -1).all()                 # pending: misses
+        more = np.arange(1000, 1000 + 4 * c.capacity, dtype=np.int64)
+        for _ in range(3):                                  # pressure: pending slots are not evicted
+            c.lookup(more)
+            c.admit(more, rng.integers(0, 256, (more.size, rb), dtype=np.uint8))
+        assert (c.slot_row[slots[slots >= 0]] == rows[slots >= 0]).all()
+        keep = np.arange(40) % 3 != 0                        # every third row came from the page cache
+        c.fill(rows, slots, data, keep)
+        got = c.lookup(rows)
+    stored = (slots >= 0) & keep
+    np.testing.assert_array_equal(got >= 0, stored)
+    np.testing.assert_array_equal(c.data[got[stored]], data[stored])
+    assert c._pending == 0 and c.ready.all()
+    with c.lock:                                             # a failed read: data None frees the reservation
+        other = np.arange(5000, 5010, dtype=np.int64)
+        c.lookup(other)
+        s2 = c.admit(other, None, reserve=True)
+        c.fill(other, s2, None)
+        assert (c.lookup(other) == -1).all() and c._pending == 0
+
+
+def test_a_failed_read_leaves_no_reservation(table, monkeypatch):
+    path, raw, _ = table
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+        ids = np.arange(0, N_ROWS, 7)
+        t.read_rows(ids[:5], "direct")
+        r = t._readers["direct"]
+        real = type(r).fetch
+
+        def failing(self, plan):
+            if self.during_io is not None:
+                self.during_io()
+                self.during_io = None
+            raise gg.ReadError("injected")
+        monkeypatch.setattr(type(r), "fetch", failing)
+        with pytest.raises(gg.ReadError, match="injected"):
+            t.read_rows(ids, "direct")
+        monkeypatch.setattr(type(r), "fetch", real)
+        c = rowcache.cache_for(t)
+        assert c._pending == 0 and c.ready.all()
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])     # now from the cache
+        assert t.stats()["rows_from_cache"] >= ids.size - 5
