@@ -11,9 +11,9 @@ fault per row; a page evicted alone costs one fault, of that page only: MADV_RAN
 resident) costs one mincore per refresh and nothing per batch.
 
 Where the kernel has cachestat (Linux 6.5+), a due refresh first asks it how many of the span's pages are cached
-(one syscall, 2-7 us on a cold 2 GB file, about 0.2 ms with a few thousand pages scattered over it): none (or a
-handful, see _update) -> the map is "nothing resident" without a mincore; the same count as at the last refresh,
-nothing evicted since -> the map is kept. Measured on the development VM: mincore of the 2.16 GB qwen4exp-geometry table 4-14 ms, of the 1.94
+(one syscall, 2-7 us on a cold 2 GB file, about 0.2 ms with a few thousand pages scattered over it): none -> the
+map is "nothing resident" without a mincore (also at a handful of pages, see _update); the same count as at the last refresh, nothing evicted since -> the
+map is kept. Measured on the development VM: mincore of the 2.16 GB qwen4exp-geometry table 4-14 ms, of the 1.94
 GB gemma4-e4b one 3.8 ms; a cold gemma4-e4b pass of the bench (4 batches) takes about 25 ms, so one mincore in it
 cost ~15%.
 """

@@ -210,9 +210,6 @@ class RowCache:
         self._hand = 0
         self._mark = np.zeros(C, np.uint8)
         self._faulted = 0                               # bytes of the row mapping prefault() populated
-        self.ready = np.ones(C, bool)                   # False: reserved for rows still being read (see fill)
-        self._pending = 0                               # slots reserved and not yet filled
-        self._epoch = 0                                 # clear() makes older reservations void
         self.hits = self.misses = self.admitted = self.evicted = 0
 
     @property
@@ -225,10 +222,6 @@ class RowCache:
         in the sketch). Call under self.lock."""
         rows = np.asarray(rows, np.int64)
         slots = self.index.get(rows) if self.n_used else np.full(rows.shape[0], -1, np.int64)
-        if self._pending:                               # reserved, bytes still in flight: not a hit yet
-            res = slots >= 0
-            res[res] = ~self.ready[slots[res]]
-            slots[res] = -1
         hit = slots >= 0
         hs = slots[hit]
         f = self.slot_freq[hs]
@@ -245,14 +238,12 @@ class RowCache:
         return slots
 
     def admit(self, rows: np.ndarray, data: np.ndarray | None = None, protect: np.ndarray | None = None,
-              gen: int | None = None, reserve: bool = False):
+              gen: int | None = None):
         """Offer freshly read (unique) rows; returns the slot each was stored in, -1 where not admitted.
 
         data: uint8 [k, row_bytes] (ignored with store=False). protect: slots that must not be evicted now
         (the current batch's hits). gen: self.gen at the lookup that found these rows missing (rows admitted
-        since, by another thread, are skipped). reserve=True: slots and index entries are made now, the bytes come
-        with fill() (a read still in flight); until then lookups miss them and they are no eviction victims.
-        Call under self.lock.
+        since, by another thread, are skipped). Call under self.lock.
         """
         rows = np.asarray(rows, np.int64)
         out = np.full(rows.shape[0], -1, np.int64)
@@ -278,8 +269,6 @@ class RowCache:
             m = min(C, max(64, 4 * rest.shape[0]))      # a sweeping run of slots: distinct, in random order
             sample = (self._hand + np.arange(m)) % C     # of rows (slots fill as misses arrive)
             self._hand = (self._hand + m) % C
-            if self._pending:
-                sample = sample[self.ready[sample]]
             if protect is not None and protect.size:
                 self._mark[protect] = 1
                 sample = sample[self._mark[sample] == 0]
@@ -308,39 +297,7 @@ class RowCache:
                     self.data[slots] = data[pick]
             out[pick] = slots
             self.admitted += pick.shape[0]
-            if reserve:
-                self.ready[slots] = False
-                self._pending += slots.shape[0]
         return out
-
-    def fill(self, rows: np.ndarray, slots: np.ndarray, data: np.ndarray | None, keep: np.ndarray | None = None,
-             epoch: int | None = None) -> None:
-        """The bytes of rows admit(reserve=True) gave `slots` (-1: not admitted): data[i] for row i where keep[i]
-        (default all); rows not kept (the page cache served them) or without data (the read failed) are dropped
-        from the index and their slots freed. Call under self.lock."""
-        if not self.capacity or (epoch is not None and epoch != self._epoch):
-            return
-        ok = slots >= 0
-        if data is None:
-            drop, ok = ok, np.zeros_like(ok)
-        else:
-            drop = ok & ~keep if keep is not None else np.zeros_like(ok)
-            ok = ok & ~drop
-        s = slots[ok]
-        if s.size and data is not None and self.data.shape[0]:
-            n = s.shape[0]
-            if n == rows.shape[0] and s[-1] - s[0] + 1 == n and (np.diff(s) == 1).all():
-                self.data[s[0]:s[0] + n] = data        # free slots filled in order: one memcpy
-            else:
-                self.data[s] = data[ok]
-        self.ready[s] = True
-        d = slots[drop]
-        if d.size:
-            self.index.delete(rows[drop])
-            self.slot_row[d] = -1
-            self.slot_freq[d] = 0
-            self.ready[d] = True
-        self._pending = max(0, self._pending - s.shape[0] - d.shape[0])
 
     def prefault(self, k: int) -> None:
         """Fault in the pages of the next k free slots (where the next admissions land) without changing their
@@ -364,9 +321,6 @@ class RowCache:
 
     def clear(self) -> None:
         with self.lock:
-            self.ready[:] = True
-            self._pending = 0
-            self._epoch += 1
             self.index = HashIndex(self.capacity)
             self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
             self.slot_row.fill(-1)
@@ -461,35 +415,18 @@ def read_through(table, reader, plan) -> np.ndarray:
     if nh < U:
         miss = ~hit
         rows = plan.unique_rows[miss]
-        res = {}
-
-        def during_io():        # while the misses are read: their slots and index entries (the policy's work)
-            cache.prefault(rows.shape[0])
-            with cache.lock:
-                res["epoch"] = cache._epoch
-                res["slots"] = cache.admit(rows, None, protect=slots[hit], gen=g, reserve=True)
-        kw = {"during_io": during_io} if hasattr(reader, "during_io") else {}
-        try:
-            fresh = reader.read(_miss_plan(table, rows) if nh else plan, **kw)
-        except BaseException:
-            if "slots" in res:
-                with cache.lock:
-                    cache.fill(rows, res["slots"], None, epoch=res["epoch"])     # frees the reservation
-            raise
+        kw = {"during_io": lambda: cache.prefault(rows.shape[0])} if hasattr(reader, "during_io") else {}
+        fresh = reader.read(_miss_plan(table, rows) if nh else plan, **kw)
         if nh:
             out[miss] = fresh
         else:
             out = fresh
         _count_reader(io, reader, pc0, d0, U - nh)
         pc = getattr(reader, "last_from_page_cache", None)
-        pc = pc if pc is not None and pc.shape[0] == rows.shape[0] else None   # rows the page cache served
-        with cache.lock:                # the row cache admits what the device delivered
-            if "slots" in res:
-                cache.fill(rows, res["slots"], fresh, None if pc is None else ~pc, epoch=res["epoch"])
-            elif pc is not None:
-                cache.admit(rows[~pc], fresh[~pc], protect=slots[hit], gen=g)
-            else:
-                cache.admit(rows, fresh, protect=slots[hit], gen=g)
+        if pc is not None and pc.shape[0] == rows.shape[0]:   # the page cache holds those: admit what the
+            rows, fresh = rows[~pc], fresh[~pc]                  # device delivered
+        with cache.lock:
+            cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out
 
 
