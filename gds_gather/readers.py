@@ -166,6 +166,16 @@ _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
 
+def _pool_after_fork() -> None:
+    # a forked child: another parent thread may have held the pool's lock at fork(); the child starts with no pool
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+
+
+forksafe.on_child(_pool_after_fork)
+
+
 def _pooled_staging():
     with _POOL_LOCK:
         return _POOL.pop() if _POOL else None
@@ -487,10 +497,15 @@ class _FdReader(Reader):
 
     def close(self) -> None:
         with self._lock:
+            broken = False
             if self.ring is not None:
+                broken = self.ring.broken       # undrained: reads may still land in the staging, never reuse it
                 self.ring.close()
                 self.ring = None
-            _release_staging(self.staging)
+            if broken:
+                self.staging.close()
+            else:
+                _release_staging(self.staging)
             self.staging = Staging()        # (a second close must not pool the same buffer twice)
             if self._pc is not None:
                 self._pc.close()

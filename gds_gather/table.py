@@ -13,7 +13,7 @@ import numpy as np
 from . import arrays, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import BackendError, HeaderError, TruncatedFileError, UnsupportedTypeError
+from .errors import BackendError, BadIdsError, HeaderError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
 from .readers import HOST_READERS, Reader, default_align
@@ -216,6 +216,11 @@ class Table:
         """Raw bytes of the plan's unique rows, uint8 [plan.n_unique, row_bytes], in plan order."""
         if plan.n_unique == 0:
             return np.empty((0, self.row_bytes), np.uint8)
+        if plan.row_bytes != self.row_bytes or plan.data_offset != self.data_offset \
+                or int(plan.unique_rows[-1]) >= self.n_rows or int(plan.unique_rows[0]) < 0:
+            raise BadIdsError(f"{self.path}: this plan was made for another table (rows of {plan.row_bytes} B at "
+                              f"offset {plan.data_offset}, up to row {int(plan.unique_rows[-1])}); this table has "
+                              f"{self.n_rows} rows of {self.row_bytes} B at offset {self.data_offset}: use t.plan(ids)")
         if self._last_stream is not _NO_GPU:     # the GPU may still read the staging this host read reuses
             arrays.cupy_stream(self._last_stream).synchronize()
             self._last_stream = _NO_GPU

@@ -176,6 +176,10 @@ def test_undrainable_ring_refuses_clearly(big, monkeypatch):
         for _ in range(2):
             with pytest.raises(gg.ReadError, match="unusable after an earlier fault.*reopen the table"):
                 t.read_rows([1, 2], "direct")
+        from gds_gather import readers
+        readers.release_staging_pool()
+        st = r.staging
+    assert not readers._POOL and st._map is None    # reads may still land in an undrained ring's staging: not reused
     with gg.open_table(path, config=_cfg(engine="uring")) as t:     # reopened: fine
         _check_next_reads(t, rows, n=1)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.quants import supported_types
+from gds_gather.quants import Q, supported_types
 
 
 TYPES = supported_types()
@@ -141,3 +141,15 @@ def test_split_model_opens_from_any_shard(tmp_path, ggufs):
     shards[1].unlink()
     with pytest.raises(FileNotFoundError, match="missing shard"):
         gg.open_table(shards[0])
+
+
+def test_a_plan_of_another_table_is_refused(small_table, tmp_path, ggufs):
+    """read_plan/gather_plan take any ReadPlan: one made for a table of other geometry must not be read (it would
+    read another table's bytes, or rows past this table's end)."""
+    big = ggufs.write(tmp_path / "big.gguf", ggufs.rows(Q.IQ4_NL, 600, 160, seed=2), Q.IQ4_NL)
+    with gg.open_table(small_table) as s, gg.open_table(big) as b:
+        other = gg.plan_rows([0, 5], n_rows=s.n_rows, row_bytes=170, data_offset=s.data_offset)   # Q8_0 rows
+        for plan in (b.plan([599]), other):
+            with pytest.raises(gg.BadIdsError, match="made for another table"):
+                s.read_plan(plan, "direct")
+        np.testing.assert_array_equal(s.read_plan(s.plan([299]), "direct")[0], s.read_rows([299], "direct")[0])

@@ -165,3 +165,35 @@ def test_a_child_forked_while_another_thread_reads_does_not_hang(table_file):
         th.join()
         t.close()
     assert (hung, wrong) == (0, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_the_staging_pool_is_locked_opens_readers(table_file):
+    from gds_gather import readers
+    path, oracle = table_file
+    held, go = threading.Event(), threading.Event()
+
+    def holder():
+        with readers._POOL_LOCK:            # e.g. release_staging_pool() unmapping a large buffer
+            held.set()
+            go.wait()
+    th = threading.Thread(target=holder)
+    th.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            with gg.open_table(path, config=gg.Config(cache_bytes=0)) as t:
+                ok = np.array_equal(t.read_rows([3, 1, 4], "direct"), oracle[[3, 1, 4]])
+            os._exit(0 if ok else 3)
+        import time
+        deadline = time.monotonic() + 10
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the child hung on the staging pool's lock")
+            time.sleep(0.02)
+    finally:
+        go.set()
+        th.join()
