@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from .measure import _libc
+from .storage import close_mapping
 
 PAGE = mmap.PAGESIZE
 # cachestat(2): the same number on x86_64 and in the generic table (arm64, riscv); Linux 6.5+
@@ -160,9 +161,5 @@ class Residency:
             os.close(self._fd)
             self._fd = -1
         self.table = self._base = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass
-            self._mm = None
+        close_mapping(self._mm)
+        self._mm = None

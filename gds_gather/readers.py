@@ -23,6 +23,7 @@ from . import forksafe, native, uring
 from .config import Config
 from .errors import ReadError
 from .planner import ReadPlan, row_runs, split_extents, windows
+from .storage import close_mapping
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,8 @@ class Staging:
         if self.unpin and self.buf.nbytes:
             self.unpin(self.buf)
         self.buf = np.zeros(0, np.uint8)
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:   # a caller still holds a view: the GC unmaps it
-                pass
-            self._map = None
+        close_mapping(self._map)
+        self._map = None
 
 
 # O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: a cold qwen4exp-geometry
@@ -251,12 +248,8 @@ class MmapReader(Reader):
 
     def close(self) -> None:
         self._view = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass
-            self._mm = None
+        close_mapping(self._mm)
+        self._mm = None
 
 
 class ReadaheadReader(MmapReader):

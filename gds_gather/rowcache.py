@@ -27,6 +27,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import forksafe
+from .storage import close_mapping
 
 log = logging.getLogger(__name__)
 
@@ -334,12 +335,8 @@ class RowCache:
             self.index = HashIndex(0)
             self.slot_row = self.slot_row[:0]
             self.data = np.zeros((0, self.row_bytes), np.uint8)
-            if self._map is not None:
-                try:
-                    self._map.close()
-                except BufferError:   # a caller still holds a view: the GC unmaps it
-                    pass
-                self._map = None
+            close_mapping(self._map)
+            self._map = None
 
 
 # -- one cache per file identity, shared by every Table of this process ------------------------------------------

@@ -1,10 +1,20 @@
-"""Facts about the storage under a file: logical block size (O_DIRECT alignment), filesystem, device."""
+"""Facts about the storage under a file: logical block size (O_DIRECT alignment), filesystem, device; and closing
+the mappings the readers and caches make of it."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 DEFAULT_BLOCK = 4096
+
+
+def close_mapping(m) -> None:
+    """Unmap an mmap.mmap (None is fine); where numpy views of it still exist the GC unmaps it when they die."""
+    if m is not None:
+        try:
+            m.close()
+        except BufferError:
+            pass
 
 
 def _sysfs_queue(dev: int) -> Path | None:

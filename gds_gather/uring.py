@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 
 from . import forksafe
+from .storage import close_mapping
 from .errors import ReadError
 from .planner import split_extents
 
@@ -111,10 +112,7 @@ def probe() -> tuple[bool, str]:
 def _release(fd: int, maps: list) -> None:
     """Close a ring's mappings and fd (Ring.close, or the finalizer of a Ring that was never closed)."""
     for m in maps:
-        try:
-            m.close()
-        except BufferError:   # numpy views still exist (the finalizer runs before they die): refcounting unmaps
-            pass
+        close_mapping(m)      # numpy views may still exist (the finalizer runs before they die): refcounting unmaps
     maps.clear()
     try:
         os.close(fd)
