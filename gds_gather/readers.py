@@ -395,29 +395,32 @@ class _FdReader(Reader):
         """
         with self._lock:
             self.check_file()
-            if self.odirect:
-                res = self._resident(plan)
-                if res is not None and res.any():
-                    return self._fetch_mixed(plan, res)
-                end = np.minimum(plan.win_offsets + plan.win_lengths, self.file_size)
-                staging = self.staging.ensure(plan.window_bytes)
-                self._submit(plan.win_offsets, plan.win_lengths, end - plan.win_offsets, staging, plan.win_staging)
-                self.bytes_read += int((end - plan.win_offsets).sum())   # a window past the end of file stops there
-                self.rows_from_device += plan.n_unique
-                self.last_from_page_cache = None
-                return staging, plan.row_staging
-            n = plan.n_unique * plan.row_bytes
-            staging = self.staging.ensure(n)
-            if self.merge_runs:     # adjacent rows: one extent per run (contiguous ids: one read, not one per row)
-                offs, lens, dst = row_runs(plan.unique_rows, plan.row_bytes, plan.data_offset)
-            else:                   # the pread baseline reads row by row, as llama.cpp does
-                offs, lens = plan.row_offsets, np.full(plan.n_unique, plan.row_bytes, np.int64)
-                dst = np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
-            if lens.shape[0] and int(lens.max()) > RUN_CHUNK:
-                offs, lens, _, dst, _ = split_extents(offs, lens, lens, dst, RUN_CHUNK)
-            self._submit(offs, lens, lens, staging, dst)
-            self.bytes_read += n
-            return staging, np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
+            return self._fetch_checked(plan, self._resident(plan) if self.odirect else None)
+
+    def _fetch_checked(self, plan: ReadPlan, res) -> tuple[np.ndarray, np.ndarray]:
+        """fetch, after check_file, given the rows' page-cache residency (bool [U], or None)."""
+        if self.odirect:
+            if res is not None and res.any():
+                return self._fetch_mixed(plan, res)
+            end = np.minimum(plan.win_offsets + plan.win_lengths, self.file_size)
+            staging = self.staging.ensure(plan.window_bytes)
+            self._submit(plan.win_offsets, plan.win_lengths, end - plan.win_offsets, staging, plan.win_staging)
+            self.bytes_read += int((end - plan.win_offsets).sum())   # a window past the end of file stops there
+            self.rows_from_device += plan.n_unique
+            self.last_from_page_cache = None
+            return staging, plan.row_staging
+        n = plan.n_unique * plan.row_bytes
+        staging = self.staging.ensure(n)
+        if self.merge_runs:     # adjacent rows: one extent per run (contiguous ids: one read, not one per row)
+            offs, lens, dst = row_runs(plan.unique_rows, plan.row_bytes, plan.data_offset)
+        else:                   # the pread baseline reads row by row, as llama.cpp does
+            offs, lens = plan.row_offsets, np.full(plan.n_unique, plan.row_bytes, np.int64)
+            dst = np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
+        if lens.shape[0] and int(lens.max()) > RUN_CHUNK:
+            offs, lens, _, dst, _ = split_extents(offs, lens, lens, dst, RUN_CHUNK)
+        self._submit(offs, lens, lens, staging, dst)
+        self.bytes_read += n
+        return staging, np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
 
     def _resident(self, plan: ReadPlan):
         """Rows the page cache holds (bool [U]), or None (page-cache reads off, or nothing resident)."""
@@ -473,17 +476,16 @@ class _FdReader(Reader):
                 self.during_io = None
 
     def _read_locked(self, plan: ReadPlan) -> np.ndarray:
-        if self.odirect and self.config.page_cache_reads:     # all resident: one copy, no staging
-            self.check_file()
-            res = self._resident(plan)
-            if res is not None and res.all():      # no read: during_io is not run
-                out = np.empty((plan.n_unique, plan.row_bytes), np.uint8)
-                self._pc.take(plan.unique_rows, plan.row_bytes, out)
-                self.bytes_read += out.nbytes
-                self.rows_from_page_cache += plan.n_unique
-                self.last_from_page_cache = res
-                return out
-        staging, offsets = self.fetch(plan)
+        self.check_file()
+        res = self._resident(plan) if self.odirect else None    # looked up once, for the copy or the fetch
+        if res is not None and res.all():          # all resident: one copy, no staging; no read: no during_io
+            out = np.empty((plan.n_unique, plan.row_bytes), np.uint8)
+            self._pc.take(plan.unique_rows, plan.row_bytes, out)
+            self.bytes_read += out.nbytes
+            self.rows_from_page_cache += plan.n_unique
+            self.last_from_page_cache = res
+            return out
+        staging, offsets = self._fetch_checked(plan, res)
         if self.odirect:
             return rows_at(staging, offsets, plan.row_bytes)
         return staging[:plan.n_unique * plan.row_bytes].reshape(plan.n_unique, plan.row_bytes).copy()
