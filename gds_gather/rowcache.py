@@ -395,7 +395,6 @@ def read_through(table, reader, plan) -> np.ndarray:
         out = reader.read(plan)
         _count_reader(io, reader, pc0, d0, U)
         return out
-    reader.check_file()          # hits must not outlive a changed file (a reader call may not happen)
     with cache.lock:
         g = cache.gen
         slots = cache.lookup(plan.unique_rows)
@@ -406,6 +405,8 @@ def read_through(table, reader, plan) -> np.ndarray:
         elif nh:
             out = np.empty((U, plan.row_bytes), np.uint8)
             out[hit] = cache.data[slots[hit]]
+    if nh == U:                      # no reader call follows (it checks the file): hits must not outlive a change
+        reader.check_file()
     io["cache_hits"] += nh
     io["rows_from_cache"] += nh
     io["cache_misses"] += U - nh
