@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import quants
+from . import devcache, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .readers import HOST_READERS
@@ -109,6 +109,10 @@ class GpuPrefill:
         if name == "resident":
             mode = "resident"
         self.backend, self.mode = name, mode
+        # device-resident row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the
+        # host cache in place
+        self.dc = (devcache.acquire(table, torch.cuda.current_device())
+                   if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
         self.stream = torch.cuda.Stream()
         self.trunk = _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
         # kernel geometry: gemma writes [n_layer, T, 256] scaled by sqrt(256); qwen4exp [T*16, 160] unscaled
@@ -128,7 +132,9 @@ class GpuPrefill:
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
         bound = staging_bound_for(table, self.N)
         self.capacity = [None, None]          # bytes of captured staging per slot (None: not captured)
-        if mode == "gds":
+        if self.dc is not None:
+            self._cache_buffers(bound)
+        elif mode == "gds":
             from .device import GdsReader
             for s in range(2):
                 r = GdsReader(table.path, table.data_offset, table.n_bytes, config=self.cfg, file_id=table.file_id)
@@ -162,7 +168,43 @@ class GpuPrefill:
         self.g_events: dict = {}
         self.stats = Stats()
         self.how = (f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
+                    + (f"; device row cache of {self.dc.index.capacity:,} rows in GPU memory" if self.dc else "")
                     + f"; {self.graph_why}")
+
+    def _cache_buffers(self, bound: int) -> None:
+        """Buffers of the device row cache (devcache.py): one pool [slots | fresh area], per slot the pinned control
+        counts and admissions, and (copy) a pinned, GPU-mapped host buffer for the slot's fresh rows or (gds) the
+        slot's region of the fresh area for cuFile. Every address is fixed from here on (graphs capture them)."""
+        import cupy as cp
+        torch, t, dc, N = self.torch, self.t, self.dc, self.N
+        pin = dict(pin_memory=True)
+        self.ctl_pin = [torch.zeros(2, dtype=torch.int64, **pin) for _ in range(2)]
+        self.adm_pin = [torch.zeros(2 * N, dtype=torch.int64, **pin) for _ in range(2)]
+        self.ctl_d = torch.zeros(2, dtype=torch.int64, device=self.dev)
+        self.adm_d = torch.zeros(2 * N, dtype=torch.int64, device=self.dev)
+        self.region = [None, None]
+        if self.mode == "gds":
+            from .device import GdsReader
+            step = -(-bound // devcache.FRESH_ALIGN) * devcache.FRESH_ALIGN
+            pool = dc.ensure(2 * step)
+            for s in range(2):
+                r = GdsReader(t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
+                self.region[s] = dc.fresh_base + s * step
+                r.dev.buf = pool[self.region[s]:self.region[s] + bound]     # cuFile reads land in the pool
+                self.capacity[s] = bound
+                self.readers.append(r)
+        else:
+            nb = -(-N * t.row_bytes // 8) * 8
+            pool = dc.ensure(nb)
+            self.fresh_mem = [cp.cuda.alloc_pinned_memory(nb) for _ in range(2)]   # cudaHostAlloc: mapped (UVA)
+            self.fresh_host = [np.frombuffer(m, np.uint8, nb) for m in self.fresh_mem]
+            self.fresh_dev = [int(cp.cuda.runtime.pointerGetAttributes(m.ptr).devicePointer) for m in self.fresh_mem]
+            self.fresh_words_max = nb // 8
+            for _ in range(2):
+                self.readers.append(HOST_READERS[self.backend](t.path, t.data_offset, t.n_bytes, config=self.cfg,
+                                                              file_id=t.file_id))
+        self.pool_view = torch.as_tensor(pool, device=self.dev)
+        self.staging_views = [self.pool_view, self.pool_view]
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):
@@ -180,7 +222,16 @@ class GpuPrefill:
         N = n * self.R
         self.tokens_d[:n].copy_(self.tokens_pin[s][:n], non_blocking=True)
         self.inv_d[:N].copy_(self.inv_pin[s][:N], non_blocking=True)
-        if self.mode == "copy":
+        dc = self.dc
+        if dc is not None:      # hits in the pool's slots, misses copied (or read) into its fresh area
+            self.ctl_d.copy_(self.ctl_pin[s], non_blocking=True)
+            self.adm_d.copy_(self.adm_pin[s], non_blocking=True)
+            self.offs_d[:N].copy_(self.offs_pin[s][:N], non_blocking=True)
+            if self.mode == "copy":
+                devcache.copy_words(self.fresh_dev[s], self.pool_view.data_ptr() + dc.fresh_base,
+                                    self.ctl_d.data_ptr(), self.fresh_words_max, h, dc.device_id)
+            staging, offs = self.pool_view, self.offs_d
+        elif self.mode == "copy":
             nb = N * t.row_bytes
             self.rows_d[:nb].copy_(self.rows_pin[s][:nb], non_blocking=True)
             staging, offs = self.rows_d, self.offs_compact
@@ -189,6 +240,10 @@ class GpuPrefill:
             staging, offs = self.staging_views[s], self.offs_d
         rows = self.kern.gather_rows(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype,
                                      stream=stream, **self.kargs)
+        if dc is not None:      # admissions: after the dequant read this ubatch's rows
+            a = self.adm_d.data_ptr()
+            devcache.copy_rows(self.pool_view.data_ptr(), a, a + 8 * self.N, self.ctl_d.data_ptr(), t.row_bytes,
+                               self.N, h, dc.device_id)
         if wait:
             self.flags.write(h, s, 0)
         if ev is not None:
@@ -202,6 +257,9 @@ class GpuPrefill:
         key = (n, s)
         if key not in self.graphs:
             torch = self.torch
+            if self.dc is not None:      # warm-up steps run for real: no stale copies or admissions
+                for c in self.ctl_pin:
+                    c.numpy()[:] = 0
             self.kern.warmup([self.t.qtype], dtypes=(self.dtype,), index_dtypes=("int32",))
             with torch.cuda.stream(self.stream):
                 for _ in range(2):               # warm up outside capture (allocations, autotuning, JIT)
@@ -231,6 +289,15 @@ class GpuPrefill:
         n, N = tok.shape[0], plan.n_ids
         if self.mode == "resident":
             offs = plan.row_offsets - t.data_offset
+        elif self.dc is not None:
+            gds = self.mode == "gds"
+            got = devcache.stage(self.dc, t, self.readers[s], plan, fresh=None if gds else self.fresh_host[s],
+                                 region=self.region[s] if gds else None)
+            offs, a = got.offsets, got.adm_src.shape[0]
+            adm = self.adm_pin[s].numpy()
+            adm[:a] = got.adm_src
+            adm[self.N:self.N + a] = got.adm_dst
+            self.ctl_pin[s].numpy()[:] = (got.fresh_words, a)
         elif self.mode == "gds":
             _, d_offs = self.readers[s].fetch(plan, wait=False)
             offs = plan.row_staging
@@ -248,7 +315,7 @@ class GpuPrefill:
         c = time.perf_counter()
         self.tokens_pin[s].numpy()[:n] = tok
         self.inv_pin[s].numpy()[:N] = plan.inverse
-        if self.mode != "copy":
+        if self.mode != "copy" or self.dc is not None:
             self.offs_pin[s].numpy()[:plan.n_unique] = offs
         st.tokens += n
         st.ple_rows += N
@@ -286,7 +353,7 @@ class GpuPrefill:
 
     def scrub(self, s: int) -> None:
         """Zero the slot's pinned tokens and indices: a released step then reads row 0 at offset 0 (in bounds)."""
-        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]):
+        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]) + ((self.ctl_pin[s],) if self.dc else ()):
             buf.numpy()[:] = 0
 
     def done(self, k: int, s: int) -> None:
@@ -320,8 +387,13 @@ class GpuPrefill:
                 progress(tok.size)
         mode = "eager" if not self.graph else "staged" if self.mode == "gds" else "overlap"
         t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            run_ubatches(ub, self._stage, self, mode, after=after)
+        try:
+            with torch.cuda.stream(self.stream):
+                run_ubatches(ub, self._stage, self, mode, after=after)
+        except BaseException:
+            if self.dc is not None:      # the device may not have made the admissions the host recorded
+                self.dc.clear()
+            raise
         wall = time.perf_counter() - t0
         for k in (len(ub) - 2, len(ub) - 1):
             if k >= 0:
@@ -331,6 +403,8 @@ class GpuPrefill:
         res.update(pipeline="gpu", graph=self.graph, graph_reason=self.graph_why, schedule=mode,
                    backend=self.backend, destination=self.mode, backend_reason=self.why, how=self.how,
                    ubatch=self.ubatch, ubatches=len(ub))
+        if self.dc is not None:
+            res.update(cache_where="gpu", device_cache_bytes=self.dc.index.nbytes)
         if collect:
             res["outputs"] = [tuple(x.float().cpu() for x in o) for o in outs]
         return res
@@ -349,6 +423,10 @@ class GpuPrefill:
         for r in self.readers:
             r.close()
         self.readers = []
+        if self.dc is not None:
+            self.stream.synchronize()       # the next holder of the cache uses another stream
+            devcache.release(self.dc)
+            self.dc = None
 
 
 def _as_torch(a: np.ndarray):

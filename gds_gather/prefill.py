@@ -150,6 +150,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                    tokenizer=mapper.tokenizer_name,
                    platform=plat.kind, page_cache_growth_bytes=growth)
         res.update(t.stats())       # rows from the row cache / page cache / device, hit rate, cache size
+        if res.get("cache_where") == "gpu":     # the GPU prefill's device-resident cache (devcache.py)
+            res["cache_bytes"] += res["device_cache_bytes"]
     if log:
         share = res.get("ple_wait_share")
         log(f"result    {res['tokens']:,} tokens in {res['seconds']:.3f} s = {res['tok_per_s']:,.0f} tok/s; "
@@ -164,7 +166,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         log(f"cache     unique rows: {res['rows_from_cache']:,} from the row cache (hit rate "
             f"{res['cache_hit_rate']:.1%}), {res['rows_from_page_cache']:,} from the page cache, "
             f"{res['rows_from_device']:,} from the device; row cache {res['cache_bytes'] / 2**20:.1f} of "
-            f"{res['cache_budget_bytes'] / 2**20:.1f} MiB")
+            f"{res['cache_budget_bytes'] / 2**20:.1f} MiB"
+            + (" (in GPU memory)" if res.get("cache_where") == "gpu" else ""))
         log(f"time      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s"
             + (f"; PLE step (wait + copy + dequant) {share:.1%} of wall time" if share is not None else ""))
     return res

@@ -124,3 +124,32 @@ def test_gpu_per_layer_inputs_match_cpu(model):
     cpu = run_prefill(model, cfg=gg.Config(platform="cpu"), **kw)
     for (p1, _), (p2, _) in zip(gpu["outputs"], cpu["outputs"]):
         torch.testing.assert_close(p1, p2.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("backend", ["direct", "gds"])
+@pytest.mark.parametrize("budget", [20_000, 1 << 22], ids=["evicting", "roomy"])
+def test_device_row_cache_across_ubatches_and_prompts(model, backend, graph, budget):
+    """The device-resident cache (devcache.py): repeats served from GPU memory, across ubatches and across two
+    prompts of one process, equal to the resident table; a small budget keeps evicting and stays exact."""
+    if backend == "gds":
+        pytest.importorskip("kvikio")
+    from gds_gather import devcache
+    devcache.drop_all()
+    with gg.open_table(model) as t:
+        vocab = min(RowMapper(t).n_vocab, t.n_rows)
+    rng = np.random.default_rng(3)
+    tokens = np.minimum(rng.zipf(1.2, 900), vocab - 1).astype(np.int64)     # real text repeats tokens
+    cfg = gg.Config(platform="discrete", cache_bytes=budget)
+    kw = dict(prompt=None, ubatch=128, progress=False, log=None, collect=True, trunk="tiny", dtype="float32",
+              tokens_override=tokens, cfg=cfg)
+    ref = run_prefill(model, backend="resident", graph=False, **kw)
+    for run in range(2):
+        got = run_prefill(model, backend=backend, graph=graph, **kw)
+        assert got["cache_where"] == "gpu" and got["rows_from_cache"] > 0, got
+        assert got["cache_bytes"] <= budget
+        for (p1, h1), (p2, h2) in zip(got["outputs"], ref["outputs"]):
+            assert torch.equal(p1, p2)
+            torch.testing.assert_close(h1, h2, rtol=1e-5, atol=1e-5)
+    devcache.drop_all()

@@ -1,0 +1,228 @@
+"""The device-resident row cache of the GPU prefill: rows that hit stay in GPU memory, inside the captured graph.
+
+One device byte pool per cache: ``[cache slots: capacity x row_bytes | fresh area]``. The host keeps the index and
+the policy (a `rowcache.RowCache(store=False)`, the same TinyLFU policy and budget as the host cache); the bytes
+of cached rows exist only in the pool. Per ubatch the host (`stage`) looks the unique rows up, reads only the
+misses, and writes for the device: one offsets array (hits: ``slot x row_bytes``; misses: where the fresh row will
+be in the pool), the admissions (fresh offset -> slot offset) and two counts. The device then, in stream order
+(pipeline.GpuPrefill, in the graph):
+
+1. "copy" (discrete GPU, host reader): copies the fresh rows from the slot's pinned, GPU-mapped host buffer into
+   the fresh area with `gg_copy_words`, whose size it reads from device memory, so only misses cross PCIe (a
+   graph's memcpy node has a fixed size); "gds": cuFile already read the misses' windows into the slot's region
+   of the fresh area, before the replay;
+2. the dequant kernel reads hits and fresh rows through the one offsets array, in the same launch;
+3. `gg_copy_rows` copies the admitted fresh rows into their slots.
+
+Why a hit is never a wrong row: the host index changes only in `stage`, in ubatch order, and the device applies
+each ubatch's admissions after that ubatch's dequant, on one stream, in the same order; a slot the host evicts
+for ubatch k+1 is rewritten by k+1's step, which runs after k's step finished reading it; the current ubatch's
+hits are never victims (`protect`). The fresh area is shared by the slots' steps (copy) or split per slot (gds:
+cuFile writes slot k+1's region while the device may still run k). Hits are only as fresh as the file: an
+all-hit ubatch checks the file's identity as a read would. On any error the prefill clears the index (the
+device may not have made what the host recorded), and `scrub` makes a released step copy nothing.
+
+A cache belongs to one file identity and device, and is lent to one prefill at a time (`acquire`/`release`), so a
+long-lived process keeps its hot rows across prompts; a second concurrent prefill of the same table gets a
+private cache. Unified memory ("zero-copy") uses the host cache: its rows are already in memory the GPU reads.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import rowcache
+from .planner import ReadPlan
+
+FRESH_ALIGN = 4096          # the fresh area and the gds slot regions start page-aligned (cuFile, 8-byte copies)
+COPY_BLOCK = 256
+COPY_GRID_MAX = 1024
+MAX_POOLS = 4
+_POOLS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _up(x: int, a: int) -> int:
+    return -(-int(x) // a) * a
+
+
+class DeviceRowCache:
+    """The index (host) and the pool (device) of one cache; `fresh_base` is where the fresh area starts."""
+
+    def __init__(self, index: rowcache.RowCache, device_id: int, key=None):
+        self.index, self.device_id, self.key = index, device_id, key
+        self.row_bytes = index.row_bytes
+        self.cache_bytes = index.capacity * index.row_bytes
+        self.fresh_base = _up(self.cache_bytes, FRESH_ALIGN)
+        self.pool = None            # cupy uint8 array on device_id, fixed while a prefill holds the cache
+        self.in_use = False
+
+    def ensure(self, fresh_bytes: int):
+        """The pool with room for `fresh_bytes` after the slots (grown before capture; cached rows kept)."""
+        import cupy as cp
+        need = self.fresh_base + _up(max(int(fresh_bytes), 8), FRESH_ALIGN)
+        if self.pool is None or self.pool.nbytes < need:
+            with cp.cuda.Device(self.device_id):
+                new = cp.empty(need, cp.uint8)
+                if self.pool is not None and self.cache_bytes:
+                    new[:self.cache_bytes] = self.pool[:self.cache_bytes]
+                    cp.cuda.Device().synchronize()
+            self.pool = new
+        return self.pool
+
+    def clear(self) -> None:
+        """Forget every cached row (the pool's bytes no longer matter)."""
+        self.index.clear()
+
+
+def acquire(table, device_id: int) -> DeviceRowCache | None:
+    """This table's device cache on `device_id` (None when the budget is 0 or the backend has no cache)."""
+    budget = rowcache.budget_for(table.config.cache_bytes, table.n_bytes)
+    if budget <= 0 or rowcache.capacity_for(budget, table.row_bytes) == 0:
+        return None
+    key = rowcache._key(table, budget) + (int(device_id),)
+
+    def new(k):
+        return DeviceRowCache(rowcache.RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
+                                                store=False, max_rows=table.n_rows), int(device_id), k)
+    with _LOCK:
+        for k in [k for k, v in _POOLS.items() if k[0] == key[0] and k[1] != key[1] and not v.in_use]:
+            del _POOLS[k]                                   # same path, another file identity: stale
+        dc = _POOLS.get(key)
+        if dc is not None and dc.in_use:
+            dc = new(None)                                  # held by another prefill: a private one
+        elif dc is None:
+            dc = _POOLS[key] = new(key)
+            idle = [k for k, v in _POOLS.items() if not v.in_use and k != key]
+            while len(_POOLS) > MAX_POOLS and idle:
+                del _POOLS[idle.pop(0)]
+        else:
+            _POOLS[key] = _POOLS.pop(key)                   # most recently used last
+        dc.in_use = True
+        return dc
+
+
+def release(dc: DeviceRowCache | None) -> None:
+    """Give the cache back (the caller's stream must be done with the pool)."""
+    if dc is not None:
+        with _LOCK:
+            dc.in_use = False
+
+
+def drop_all() -> None:
+    """Free every idle device cache of this process."""
+    with _LOCK:
+        for k in [k for k, v in _POOLS.items() if not v.in_use]:
+            del _POOLS[k]
+
+
+@dataclass
+class Staged:
+    """What one ubatch asks of the device (see the module docstring)."""
+    offsets: np.ndarray      # int64 [U]: byte offset of each unique row in the pool
+    fresh_words: int         # 8-byte words of fresh rows to copy into the fresh area (copy mode; 0 for gds)
+    adm_src: np.ndarray      # int64 [A]: pool offsets of admitted fresh rows
+    adm_dst: np.ndarray      # int64 [A]: pool offsets of their slots
+    hits: int
+    from_page_cache: int
+    from_device: int
+
+
+def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarray | None = None,
+          region: int | None = None) -> Staged:
+    """Look up, read the misses and admit them, for one ubatch.
+
+    copy mode: `fresh` is the slot's host buffer (uint8): the misses are read and packed there, to land at
+    fresh_base in the pool. gds mode: `region` is the pool offset of the slot's region; `reader.fetch(plan,
+    wait=False)` reads the misses' windows there. Counts go into table._io (Table.stats()).
+    """
+    c, rb, U = dc.index, plan.row_bytes, plan.n_unique
+    with c.lock:
+        g = c.gen
+        slots = c.lookup(plan.unique_rows)
+    hit = slots >= 0
+    nh = int(hit.sum())
+    offs = np.empty(U, np.int64)
+    offs[hit] = slots[hit] * rb
+    words, src, dst, pc = 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    if nh == U:
+        reader.check_file()                 # no read follows: hits must not outlive a changed file
+    else:
+        miss = ~hit
+        rows = plan.unique_rows[miss]
+        mplan = rowcache._miss_plan(table, rows) if nh else plan
+        pc0 = getattr(reader, "rows_from_page_cache", 0)
+        if region is None:
+            got = reader.read(mplan)
+            nb = got.size
+            fresh[:nb] = got.reshape(-1)
+            fo = dc.fresh_base + np.arange(rows.shape[0], dtype=np.int64) * rb
+            words = -(-nb // 8)
+        else:
+            reader.fetch(mplan, wait=False)
+            fo = int(region) + mplan.row_staging
+        pc = getattr(reader, "rows_from_page_cache", 0) - pc0
+        offs[miss] = fo
+        with c.lock:
+            new = c.admit(rows, None, protect=slots[hit], gen=g)
+        a = new >= 0
+        src, dst = fo[a], new[a] * rb
+    io = table._io
+    io["cache_hits"] += nh
+    io["rows_from_cache"] += nh
+    io["cache_misses"] += U - nh
+    io["rows_from_page_cache"] += pc
+    io["rows_from_device"] += U - nh - pc
+    return Staged(offs, words, src, dst, nh, pc, U - nh - pc)
+
+
+def emulate(pool: np.ndarray, st: Staged, fresh: np.ndarray | None, fresh_base: int, row_bytes: int) -> np.ndarray:
+    """What the device step does with `st`, in numpy (tests): copy the fresh words up, gather every unique row
+    through the offsets, then copy the admitted rows into their slots. Returns uint8 [U, row_bytes]."""
+    if st.fresh_words:
+        nb = 8 * st.fresh_words
+        pool[fresh_base:fresh_base + nb] = fresh[:nb]
+    rows = pool[st.offsets[:, None] + np.arange(row_bytes)]
+    if st.adm_src.shape[0]:
+        pool[st.adm_dst[:, None] + np.arange(row_bytes)] = pool[st.adm_src[:, None] + np.arange(row_bytes)]
+    return rows
+
+
+# -- the device side -------------------------------------------------------------------------------------------
+
+@functools.cache
+def _module(device_id: int):
+    import cupy as cp
+    from .dequant_gpu import HIPRTC_OPTIONS, NVRTC_OPTIONS
+    from .kernels import source
+    hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
+    with cp.cuda.Device(device_id):
+        return cp.RawModule(code=source("copy.cu"), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS)
+
+
+def _grid(n: int) -> int:
+    return max(1, min(COPY_GRID_MAX, -(-int(n) // COPY_BLOCK)))
+
+
+def copy_words(src_ptr: int, dst_ptr: int, ctl_ptr: int, max_words: int, stream_handle: int, device_id: int):
+    """Queue gg_copy_words (ctl[0] words src -> dst) with a grid fixed by `max_words` (capturable)."""
+    import cupy as cp
+    from .arrays import StreamRef
+    fn = _module(device_id).get_function("gg_copy_words")
+    with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+        fn((_grid(max_words),), (COPY_BLOCK,), (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(ctl_ptr)))
+
+
+def copy_rows(pool_ptr: int, src_ptr: int, dst_ptr: int, ctl_ptr: int, row_bytes: int, max_rows: int,
+              stream_handle: int, device_id: int):
+    """Queue gg_copy_rows (ctl[1] rows of the pool, src[r] -> dst[r]) with a grid fixed by `max_rows`."""
+    import cupy as cp
+    from .arrays import StreamRef
+    fn = _module(device_id).get_function("gg_copy_rows")
+    grid = max(1, min(COPY_GRID_MAX, int(max_rows)))
+    with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+        fn((grid,), (COPY_BLOCK,), (np.uint64(pool_ptr), np.uint64(src_ptr), np.uint64(dst_ptr),
+                                    np.uint64(ctl_ptr), np.int64(row_bytes)))
