@@ -112,6 +112,13 @@ def release(dc: DeviceRowCache | None) -> None:
             dc.in_use = False
 
 
+def discard(dc: DeviceRowCache) -> None:
+    """Never lend this cache again (its pool may still be written by work that was left queued)."""
+    with _LOCK:
+        if dc.key is not None and _POOLS.get(dc.key) is dc:
+            del _POOLS[dc.key]
+
+
 def drop_all() -> None:
     """Free every idle device cache of this process."""
     with _LOCK:
@@ -211,8 +218,8 @@ def copy_words(src_ptr: int, dst_ptr: int, ctl_ptr: int, max_words: int, stream_
     """Queue gg_copy_words (ctl[0] words src -> dst) with a grid fixed by `max_words` (capturable)."""
     import cupy as cp
     from .arrays import StreamRef
-    fn = _module(device_id).get_function("gg_copy_words")
     with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+        fn = _module(device_id).get_function("gg_copy_words")
         fn((_grid(max_words),), (COPY_BLOCK,), (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(ctl_ptr)))
 
 
@@ -221,8 +228,8 @@ def copy_rows(pool_ptr: int, src_ptr: int, dst_ptr: int, ctl_ptr: int, row_bytes
     """Queue gg_copy_rows (ctl[1] rows of the pool, src[r] -> dst[r]) with a grid fixed by `max_rows`."""
     import cupy as cp
     from .arrays import StreamRef
-    fn = _module(device_id).get_function("gg_copy_rows")
     grid = max(1, min(COPY_GRID_MAX, int(max_rows)))
     with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+        fn = _module(device_id).get_function("gg_copy_rows")
         fn((grid,), (COPY_BLOCK,), (np.uint64(pool_ptr), np.uint64(src_ptr), np.uint64(dst_ptr),
                                     np.uint64(ctl_ptr), np.int64(row_bytes)))

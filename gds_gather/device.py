@@ -212,6 +212,10 @@ class GdsReader:
         self.odirect = True
         self.bytes_read = 0
 
+    def check_file(self) -> None:
+        """ReadError if the file changed since the table was opened (as the host readers' check_file)."""
+        self._base.check_file()
+
     def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
         """wait=False: the caller guarantees nothing still reads the device staging (the prefill's double
         buffering waits on its own event per slot)."""

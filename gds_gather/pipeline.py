@@ -90,7 +90,6 @@ class GpuPrefill:
                  trunk="real", config: Config | None = None):
         import torch
         from . import dequant_gpu
-        from .graph import HostFlags
         from .platform import detect
         self.torch, self.kern = torch, dequant_gpu
         self.t, self.mapper, self.graph, self.ubatch = table, mapper, graph, ubatch
@@ -104,7 +103,6 @@ class GpuPrefill:
         self.dtype = dtype
         self.R = mapper.rows_per_token
         self.N = ubatch * self.R
-        rb = table.row_bytes
         name, mode, self.why = choose_device(table, backend, self.cfg)
         if name == "resident":
             mode = "resident"
@@ -113,6 +111,16 @@ class GpuPrefill:
         # host cache in place
         self.dc = (devcache.acquire(table, torch.cuda.current_device())
                    if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
+        self.readers, self.closed = [], False
+        try:
+            self._setup(table, mapper, ubatch, dtype, trunk, seed, name, mode)
+        except BaseException:
+            self.close()            # the cache goes back (or a half-built pipeline would hold it forever)
+            raise
+
+    def _setup(self, table, mapper, ubatch, dtype, trunk, seed, name, mode) -> None:
+        from .graph import HostFlags
+        torch, rb = self.torch, table.row_bytes
         self.stream = torch.cuda.Stream()
         self.trunk = _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
         # kernel geometry: gemma writes [n_layer, T, 256] scaled by sqrt(256); qwen4exp [T*16, 160] unscaled
@@ -293,11 +301,11 @@ class GpuPrefill:
             gds = self.mode == "gds"
             got = devcache.stage(self.dc, t, self.readers[s], plan, fresh=None if gds else self.fresh_host[s],
                                  region=self.region[s] if gds else None)
-            offs, a = got.offsets, got.adm_src.shape[0]
+            offs, n_adm = got.offsets, got.adm_src.shape[0]
             adm = self.adm_pin[s].numpy()
-            adm[:a] = got.adm_src
-            adm[self.N:self.N + a] = got.adm_dst
-            self.ctl_pin[s].numpy()[:] = (got.fresh_words, a)
+            adm[:n_adm] = got.adm_src
+            adm[self.N:self.N + n_adm] = got.adm_dst
+            self.ctl_pin[s].numpy()[:] = (got.fresh_words, n_adm)
         elif self.mode == "gds":
             _, d_offs = self.readers[s].fetch(plan, wait=False)
             offs = plan.row_staging
@@ -353,7 +361,8 @@ class GpuPrefill:
 
     def scrub(self, s: int) -> None:
         """Zero the slot's pinned tokens and indices: a released step then reads row 0 at offset 0 (in bounds)."""
-        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]) + ((self.ctl_pin[s],) if self.dc else ()):
+        ctl = getattr(self, "ctl_pin", None)
+        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]) + ((ctl[s],) if ctl else ()):
             buf.numpy()[:] = 0
 
     def done(self, k: int, s: int) -> None:
@@ -371,6 +380,8 @@ class GpuPrefill:
 
     def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
         torch = self.torch
+        if self.closed:
+            raise ValueError("this GpuPrefill is closed")
         ub = self._ub = [tokens[k:k + self.ubatch] for k in range(0, tokens.size, self.ubatch)]
         if self.graph:                       # capture before the clock starts (one graph per size and slot)
             for n in sorted({u.size for u in ub}):
@@ -420,12 +431,18 @@ class GpuPrefill:
                 pass
 
     def close(self) -> None:
+        self.closed = True
+        self.graphs = {}
         for r in self.readers:
             r.close()
         self.readers = []
         if self.dc is not None:
-            self.stream.synchronize()       # the next holder of the cache uses another stream
-            devcache.release(self.dc)
+            stream = getattr(self, "stream", None)
+            if stream is None or stream.query():
+                devcache.release(self.dc)   # nothing queued: the next holder (another stream) may use the pool
+            else:       # work still queued (a step left waiting after a failed release): never lend this pool again
+                log.error("prefill: work still queued at close; its device row cache is discarded")
+                devcache.discard(self.dc)
             self.dc = None
 
 

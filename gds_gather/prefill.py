@@ -167,7 +167,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             f"{res['cache_hit_rate']:.1%}), {res['rows_from_page_cache']:,} from the page cache, "
             f"{res['rows_from_device']:,} from the device; row cache {res['cache_bytes'] / 2**20:.1f} of "
             f"{res['cache_budget_bytes'] / 2**20:.1f} MiB"
-            + (" (in GPU memory)" if res.get("cache_where") == "gpu" else ""))
+            + (" (rows in GPU memory, index on the host)" if res.get("cache_where") == "gpu" else ""))
         log(f"time      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s"
             + (f"; PLE step (wait + copy + dequant) {share:.1%} of wall time" if share is not None else ""))
     return res

@@ -43,7 +43,6 @@ class FakeGds:
 
     def __init__(self, direct: DirectReader, pool: np.ndarray, region: int):
         self.direct, self.pool, self.region = direct, pool, region
-        self.rows_from_page_cache = 0
 
     def check_file(self):
         self.direct.check_file()
@@ -53,6 +52,12 @@ class FakeGds:
         staging, offs = self.direct.fetch(plan)
         np.testing.assert_array_equal(offs, plan.row_staging)
         self.pool[self.region:self.region + plan.window_bytes] = staging[:plan.window_bytes]
+
+
+def test_the_gds_stand_in_has_only_what_gdsreader_has():
+    from gds_gather.device import GdsReader
+    mine = {n for n in vars(FakeGds) if not n.startswith("_")}
+    assert mine <= set(dir(GdsReader)), mine - set(dir(GdsReader))
 
 
 def run_batches(path, raw, batches, budget, mode, lag=1, fail_at=None):
@@ -179,7 +184,12 @@ def test_acquire_lends_one_cache_per_file_and_device(table):
         devcache.release(a)
         devcache.release(b)
         assert devcache.acquire(t, 0) is a         # the next prefill finds a's rows
-        assert devcache.acquire(t, 1) is not a     # another device: its own
+        c = devcache.acquire(t, 1)
+        assert c is not a                          # another device: its own
+        devcache.release(a)
+        devcache.release(c)
+        devcache.discard(a)                        # left queued work: never lent again
+        assert devcache.acquire(t, 0) is not a
         assert a.index.budget == 1 << 20 and a.cache_bytes == a.index.capacity * t.row_bytes
     with gg.open_table(path, config=gg.Config(cache_bytes=0)) as t:
         assert devcache.acquire(t, 0) is None
@@ -275,3 +285,120 @@ def test_budget_is_the_host_caches(table):
         finally:
             devcache.release(dc)
             devcache.drop_all()
+
+
+# -- the real GpuPrefill host half (_stage, scrub) under schedule.run_ubatches, against a played device ----------
+
+class PlayedDevice:
+    """The GPU as GpuPrefill._step_body orders it, one ubatch behind the host: a step runs once it is launched and
+    released and the host has released the next ubatch (or drains); it reads the slot's pinned buffers then."""
+
+    def __init__(self, p, pool, raw, checked):
+        self.p, self.pool, self.raw, self.checked = p, pool, raw, checked
+        self.k, self.launched, self.released, self.scrubbed, self.played = 0, {}, set(), set(), set()
+
+    def slot_free(self, k, s):
+        self.k = k
+
+    def launch(self, n, s):
+        self.launched[self.k] = (n, s)
+
+    def release(self, s):
+        self.released.add(self.k)
+        self._play(upto=self.k)
+
+    def scrub(self, s):
+        self.p.scrub(s)
+        self.scrubbed.add(self.k)
+
+    def done(self, k, s):
+        pass
+
+    def drain(self):
+        self._play(upto=self.k + 1)
+
+    def rearm(self):
+        pass
+
+    def _play(self, upto):
+        for k in sorted(self.launched):
+            if k < upto and k in self.released and k not in self.played:
+                self.played.add(k)
+                self._step(k, *self.launched[k])
+
+    def _step(self, k, n, s):
+        p, pool, rb = self.p, self.pool, self.p.t.row_bytes
+        ctl = p.ctl_pin[s].numpy().copy()
+        adm = p.adm_pin[s].numpy().copy()
+        N = n * p.R
+        offs, inv = p.offs_pin[s].numpy()[:N].copy(), p.inv_pin[s].numpy()[:N].copy()
+        tok = p.tokens_pin[s].numpy()[:n].copy()
+        w = int(ctl[0])
+        if p.mode == "copy":
+            pool[p.dc.fresh_base:p.dc.fresh_base + 8 * w] = p.fresh_host[s][:8 * w]
+        rows = pool[offs[inv][:, None] + np.arange(rb)]
+        a = int(ctl[1])
+        if a:
+            pool[adm[p.N:p.N + a][:, None] + np.arange(rb)] = pool[adm[:a][:, None] + np.arange(rb)]
+        if k not in self.scrubbed:
+            self.checked.append(bool((rows == self.raw[tok]).all()))
+
+
+@pytest.mark.parametrize("mode", ["copy", "gds"])
+@pytest.mark.parametrize("clear", [True, False], ids=["cleared", "not-cleared"])
+def test_gpu_prefill_host_half_gives_exact_rows_across_runs_and_errors(table, mode, clear):
+    """GpuPrefill's own _stage and scrub, driven by run_ubatches (overlap for copy, staged for gds), three prompts
+    through one cache, an error after a stage in the second: every played ubatch is exact when run() clears the
+    index on the error; without the clear (the check can fail) some later ubatch is wrong."""
+    torch = pytest.importorskip("torch")
+    from gds_gather import schedule
+    from gds_gather.pipeline import GpuPrefill, Stats
+    path, raw = table
+    budget = 30_000
+    with gg.open_table(path, config=CFG.with_(cache_bytes=budget)) as t:
+        p = GpuPrefill.__new__(GpuPrefill)
+        UB = 64
+        p.t, p.mapper, p.N, p.R, p.mode, p.stats = t, (lambda tok: tok), UB, 1, mode, Stats()
+        p.capacity = [None, None]
+        p.dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=budget, store=False,
+                                                max_rows=N_ROWS), 0)
+        nb = -(-UB * t.row_bytes // 8) * 8
+        step = -(-(UB + 2) * 2 * 4096 // 4096) * 4096
+        pool = np.zeros(p.dc.fresh_base + max(nb, 2 * step), np.uint8)
+        z = lambda n, dt=torch.int64: torch.zeros(n, dtype=dt)        # noqa: E731
+        p.ctl_pin, p.adm_pin = [z(2) for _ in range(2)], [z(2 * UB) for _ in range(2)]
+        p.tokens_pin, p.offs_pin, p.inv_pin = [z(UB) for _ in range(2)], [z(UB) for _ in range(2)], \
+            [z(UB, torch.int32) for _ in range(2)]
+        direct = [DirectReader(t.path, t.data_offset, t.n_bytes, config=t.config, file_id=t.file_id)
+                  for _ in range(2)]
+        if mode == "gds":
+            p.region = [p.dc.fresh_base + s * step for s in range(2)]
+            p.readers = [FakeGds(r, pool, p.region[s]) for s, r in enumerate(direct)]
+        else:
+            p.region = [None, None]
+            p.fresh_host = [np.zeros(nb, np.uint8) for _ in range(2)]
+            p.readers = direct
+        rng = np.random.default_rng(0)
+        checked, sched = [], "staged" if mode == "gds" else "overlap"
+        try:
+            for run in range(3):
+                toks = np.minimum(rng.zipf(1.3, UB * 7) - 1, N_ROWS - 1).astype(np.int64)
+                ub = [toks[k:k + UB] for k in range(0, toks.size, UB)]
+                calls = [0]
+
+                def stage(tok, s):
+                    p._stage(tok, s)
+                    calls[0] += 1
+                    if run == 1 and calls[0] == 3:
+                        raise RuntimeError("injected after a stage")
+                try:
+                    schedule.run_ubatches(ub, stage, PlayedDevice(p, pool, raw, checked), sched)
+                except RuntimeError:
+                    if clear:
+                        p.dc.clear()        # what GpuPrefill.run does
+        finally:
+            for r in direct:
+                r.close()
+        assert len(checked) >= 14 and t._io["cache_hits"] > 0
+        assert 0 < p.stats.index_seconds < 60 and 0 < p.stats.io_seconds < 60     # timers, not counts
+        assert all(checked) if clear else not all(checked)

@@ -145,11 +145,15 @@ def test_device_row_cache_across_ubatches_and_prompts(model, backend, graph, bud
     kw = dict(prompt=None, ubatch=128, progress=False, log=None, collect=True, trunk="tiny", dtype="float32",
               tokens_override=tokens, cfg=cfg)
     ref = run_prefill(model, backend="resident", graph=False, **kw)
+    hits = []
     for run in range(2):
         got = run_prefill(model, backend=backend, graph=graph, **kw)
         assert got["cache_where"] == "gpu" and got["rows_from_cache"] > 0, got
-        assert got["cache_bytes"] <= budget
+        assert got["device_cache_bytes"] <= budget
+        hits.append(got["rows_from_cache"])
         for (p1, h1), (p2, h2) in zip(got["outputs"], ref["outputs"]):
             assert torch.equal(p1, p2)
             torch.testing.assert_close(h1, h2, rtol=1e-5, atol=1e-5)
+    if budget > 1 << 20:        # the second prompt starts with the first one's rows in the cache
+        assert hits[1] > hits[0], hits
     devcache.drop_all()
