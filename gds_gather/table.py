@@ -99,7 +99,7 @@ class Table:
                 f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        self.align = default_align(self.config, self.path)   # O_DIRECT window alignment (readers.MIN_ALIGN)
+        self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
         self._readers: dict[str, Reader] = {}
         self._sinks: dict = {}          # GPU destinations, created on first GPU use
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
