@@ -117,8 +117,8 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
         elif what == "drop":
             rowcache.drop_all()
         return real_copy(cache, slots, unique_rows, out)
-    monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
     try:
+        monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
         seen = 0
         with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
             for b in batches:
