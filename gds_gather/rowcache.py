@@ -490,6 +490,9 @@ def read_through(table, reader, plan) -> np.ndarray:
             copy_hits()
         if rows.size:
             out[miss] = fresh
+    if not rows.size:                # no read to overlap: a pending batch is admitted now (later batches that hit
+        with cache.lock:             # only the cache then take the one-gather path above)
+            cache.flush(protect=slots[hit])
     n_stale = 0
     if stale and stale[0].any():     # evicted by another Table between the lookup and the copy: read them now
         n_stale = int(stale[0].sum())
