@@ -310,11 +310,11 @@ class RowCache:
         if rows.size and self.capacity and self.data.shape[0]:
             self.pending = (rows, data)
 
-    def flush(self, protect: np.ndarray | None = None) -> None:
-        """Admit the pending rows (see defer). Call under self.lock."""
+    def flush(self, protect: np.ndarray | None = None) -> np.ndarray | None:
+        """Admit the pending rows (see defer); the slot of each (admit's answer), None when none was pending. Call
+        under self.lock."""
         p, self.pending = self.pending, None
-        if p is not None:
-            self.admit(p[0], p[1], protect=protect)
+        return None if p is None else self.admit(p[0], p[1], protect=protect)
 
     def find_pending(self, rows: np.ndarray, hit: np.ndarray) -> np.ndarray:
         """Position in the pending batch of each of `rows` (ascending) that missed the index (~hit), else -1; those
@@ -441,11 +441,17 @@ def read_through(table, reader, plan) -> np.ndarray:
         slots = cache.lookup(plan.unique_rows)
         hit = slots >= 0
         nh = int(hit.sum())
-        if nh == U:                  # all hits: one gather, as mmap's
-            out = cache.data.take(slots, axis=0)
         pend = [cache.pending]       # [(rows, data)]: immutable once deferred, readable without the lock; dropped
         #                              once used, so that its memory is free again for this batch's fresh rows
         ppos = cache.find_pending(plan.unique_rows, hit) if nh < U else None
+        if nh < U and int((ppos >= 0).sum()) == U - nh:    # no read to overlap the pending batch's admission
+            admitted = cache.flush(protect=slots[hit])      # with: admitted now, its rows then hit like others
+            slots = np.where(ppos >= 0, admitted[np.maximum(ppos, 0)], slots)
+            hit = slots >= 0
+            ppos[hit] = -1
+            nh = int(hit.sum())
+        if nh == U:                  # all hits: one gather, as mmap's
+            out = cache.data.take(slots, axis=0)
     if nh == U:                      # no reader call follows (it checks the file): hits must not outlive a change
         reader.check_file()
         io["cache_hits"] += nh
@@ -490,9 +496,6 @@ def read_through(table, reader, plan) -> np.ndarray:
             copy_hits()
         if rows.size:
             out[miss] = fresh
-    if not rows.size:                # no read to overlap: a pending batch is admitted now (later batches that hit
-        with cache.lock:             # only the cache then take the one-gather path above)
-            cache.flush(protect=slots[hit])
     n_stale = 0
     if stale and stale[0].any():     # evicted by another Table between the lookup and the copy: read them now
         n_stale = int(stale[0].sum())
