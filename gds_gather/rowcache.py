@@ -13,8 +13,7 @@ trace (1.82M row ids) it kept 0.16/0.23/0.29 of per-batch unique rows at 2/5/10 
 Everything is vectorized per batch: the index is an open-addressing hash table of numpy arrays (linear probing,
 a few vectorized probe rounds per batch), the sketch and the eviction sample are numpy too. Row bytes live in one
 page-aligned anonymous mapping (pinnable for the GPU). The whole footprint (rows, index, sketch, slot table)
-stays within the budget; besides it, between two reads, the rows the last batch read are held until the next
-batch's reads admit them (RowCache.defer: at most one batch of misses). A cache belongs to one file identity (device, inode, size, mtime): `cache_for` keys
+stays within the budget. A cache belongs to one file identity (device, inode, size, mtime): `cache_for` keys
 caches by it, so a new Table on an unchanged file finds the rows an earlier one cached, and a changed file
 never meets a stale row (the table refuses it and its cache is dropped).
 """
@@ -213,7 +212,6 @@ class RowCache:
         self._mark = np.zeros(C, np.uint8)
         self._faulted = 0                               # bytes of the row mapping prefault() populated
         self.hits = self.misses = self.admitted = self.evicted = 0
-        self.pending = None     # (rows, data) read by the last batch, admitted during the next one's reads (defer)
 
     @property
     def nbytes(self) -> int:
@@ -302,35 +300,6 @@ class RowCache:
             self.admitted += pick.shape[0]
         return out
 
-    def defer(self, rows: np.ndarray, data: np.ndarray) -> None:
-        """Keep freshly read rows (unique, ascending; data uint8 [k, row_bytes], owned by the cache from now on) to
-        admit while the next batch's reads are in flight (read_through); until then lookups find them with
-        find_pending. A batch still pending is admitted first. Call under self.lock."""
-        self.flush()
-        if rows.size and self.capacity and self.data.shape[0]:
-            self.pending = (rows, data)
-
-    def flush(self, protect: np.ndarray | None = None) -> np.ndarray | None:
-        """Admit the pending rows (see defer); the slot of each (admit's answer), None when none was pending. Call
-        under self.lock."""
-        p, self.pending = self.pending, None
-        return None if p is None else self.admit(p[0], p[1], protect=protect)
-
-    def find_pending(self, rows: np.ndarray, hit: np.ndarray) -> np.ndarray:
-        """Position in the pending batch of each of `rows` (ascending) that missed the index (~hit), else -1; those
-        found count as hits (lookup counted them as misses). Call under self.lock, after lookup."""
-        pos = np.full(rows.shape[0], -1, np.int64)
-        if self.pending is None:
-            return pos
-        prow, miss = self.pending[0], np.flatnonzero(~hit)
-        j = np.minimum(np.searchsorted(prow, rows[miss]), prow.shape[0] - 1)
-        found = prow[j] == rows[miss]
-        pos[miss[found]] = j[found]
-        n = int(found.sum())
-        self.hits += n
-        self.misses -= n
-        return pos
-
     def prefault(self, k: int) -> None:
         """Fault in the pages of the next k free slots (where the next admissions land) without changing their
         bytes (MADV_POPULATE_WRITE, Linux 5.14+; nothing where the kernel lacks it). Called while a read is in
@@ -358,13 +327,11 @@ class RowCache:
             self.slot_row.fill(-1)
             self.slot_freq.fill(0)
             self.n_used = self._age = 0
-            self.pending = None
 
     def close(self) -> None:
         # under the lock, and empty first: a thread that still holds this cache then only misses (admit returns)
         with self.lock:
             self.capacity = self.n_used = 0
-            self.pending = None
             self.index = HashIndex(0)
             self.slot_row = self.slot_row[:0]
             self.data = np.zeros((0, self.row_bytes), np.uint8)
@@ -419,13 +386,11 @@ def read_through(table, reader, plan) -> np.ndarray:
     """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
     to the cache. Counts into table._io (see Table.stats).
 
-    Host work is moved into the misses' reads where it can be (the reader's during_io; a cold gemma4-e4b batch
-    spends about 2.4 ms waiting for its ~150 reads): the hits are copied out then, and the rows the previous batch
-    read are admitted then (RowCache.defer; until then lookups find them in the pending batch), instead of after
-    the reads (measured on the 32k-token gemma4-e4b trace, 16 batches: the hit copy 7.3 ms and the admission
-    3.7-5 ms of ~20 ms of host work outside the reads). The cache lock is not held while the reads are in flight,
-    so another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
-    still holds its row, and rows evicted since are read with the reader afterwards."""
+    The hits are copied out while the misses' reads are in flight (the reader's during_io), not before the
+    reads are submitted: on the gemma4-e4b trace that copy (about 2/3 of a batch's unique rows) was 0.46 ms of a
+    cold batch's 4 ms. The cache lock is not held meanwhile, so another Table's admission may evict a hit's slot
+    between the lookup and the copy: the copy checks each slot still holds its row, and rows evicted since are
+    read with the misses' reader afterwards (never seen in the benches; tested)."""
     io = table._io
     U = plan.n_unique
     if U == 0:
@@ -441,75 +406,42 @@ def read_through(table, reader, plan) -> np.ndarray:
         slots = cache.lookup(plan.unique_rows)
         hit = slots >= 0
         nh = int(hit.sum())
-        pend = [cache.pending]       # [(rows, data)]: immutable once deferred, readable without the lock; dropped
-        #                              once used, so that its memory is free again for this batch's fresh rows
-        ppos = cache.find_pending(plan.unique_rows, hit) if nh < U else None
-        if nh < U and int((ppos >= 0).sum()) == U - nh:    # no read to overlap the pending batch's admission
-            admitted = cache.flush(protect=slots[hit])      # with: admitted now, its rows then hit like others
-            slots = np.where(ppos >= 0, admitted[np.maximum(ppos, 0)], slots)
-            hit = slots >= 0
-            ppos[hit] = -1
-            nh = int(hit.sum())
         if nh == U:                  # all hits: one gather, as mmap's
             out = cache.data.take(slots, axis=0)
+    io["cache_hits"] += nh
+    io["cache_misses"] += U - nh
     if nh == U:                      # no reader call follows (it checks the file): hits must not outlive a change
         reader.check_file()
-        io["cache_hits"] += nh
         io["rows_from_cache"] += nh
         return out
-    phit = ppos >= 0
-    npend = int(phit.sum())
-    io["cache_hits"] += nh + npend
-    io["cache_misses"] += U - nh - npend
-    miss = ~(hit | phit)
+    miss = ~hit
     rows = plan.unique_rows[miss]
-    out = np.empty((U, plan.row_bytes), np.uint8) if nh or npend else None
-    copied, stale = [], []           # once the hits are copied: [True], [bool [U]: hits evicted before the copy]
-
-    def copy_hits():
-        copied.append(True)
-        if nh:
-            stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
-        if npend:
-            out[phit] = pend[0][1][ppos[phit]]
-        pend[0] = None
+    out = np.empty((U, plan.row_bytes), np.uint8) if nh else None
+    stale = []                       # [bool [U]: hits evicted before they were copied], once the hits are copied
 
     def during_io():
-        with cache.lock:
-            if pend[0] is not None and cache.pending is pend[0]:
-                cache.flush(protect=slots[hit])
-        if out is not None:
-            copy_hits()
-        pend[0] = None
+        if nh:
+            stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
         cache.prefault(rows.shape[0])
-    fresh = pc = None
-    if rows.size:
-        kw = {"during_io": during_io} if hasattr(reader, "during_io") else {}
-        fresh = reader.read(_miss_plan(table, rows) if out is not None else plan, **kw)
-        pc = getattr(reader, "last_from_page_cache", None)
-    else:                            # every row a hit of the cache or of the pending batch: no read
-        reader.check_file()
-    if out is None:
-        out = fresh
+    kw = {"during_io": during_io} if hasattr(reader, "during_io") else {}
+    fresh = reader.read(_miss_plan(table, rows) if nh else plan, **kw)
+    pc = getattr(reader, "last_from_page_cache", None)
+    if nh and not stale:             # the reader made no read (all from the page cache) or has no during_io
+        stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
+    if nh:
+        out[miss] = fresh
     else:
-        if not copied:               # no read made (all from the page cache, or no misses) or no during_io
-            copy_hits()
-        if rows.size:
-            out[miss] = fresh
+        out = fresh
     n_stale = 0
-    if stale and stale[0].any():     # evicted by another Table between the lookup and the copy: read them now
+    if nh and stale[0].any():        # evicted by another Table between the lookup and the copy: read them now
         n_stale = int(stale[0].sum())
         out[stale[0]] = reader.read(_miss_plan(table, plan.unique_rows[stale[0]]))
-    io["rows_from_cache"] += nh + npend - n_stale
-    _count_reader(io, reader, pc0, d0, U - nh - npend + n_stale)
-    if rows.size:
-        if pc is not None and pc.shape[0] == rows.shape[0]:    # the page cache holds those: admit what the
-            rows, fresh = rows[~pc], fresh[~pc]                  # device delivered
-        with cache.lock:
-            if fresh is out:             # (the caller gets it and may change it): admitted now
-                cache.admit(rows, fresh, protect=slots[hit], gen=g)
-            else:                        # fresh is ours alone: admitted during the next batch's reads
-                cache.defer(rows, fresh)
+    io["rows_from_cache"] += nh - n_stale
+    _count_reader(io, reader, pc0, d0, U - nh + n_stale)
+    if pc is not None and pc.shape[0] == rows.shape[0]:    # the page cache holds those: admit what the
+        rows, fresh = rows[~pc], fresh[~pc]                  # device delivered
+    with cache.lock:
+        cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out
 
 
@@ -520,9 +452,10 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
     with cache.lock:
         if not cache.data.shape[0]:             # closed
             return hit
-        # one gather of every row (the misses' rows get overwritten): not a gather then a scatter, and every page of
-        # out is faulted in now, while the reads are in flight, not when the misses are copied in after them
-        np.take(cache.data, slots, axis=0, out=out, mode="clip")
+        if 2 * int(hit.sum()) >= slots.shape[0]:    # mostly hits: one gather of every row (the misses' rows get
+            np.take(cache.data, slots, axis=0, out=out, mode="clip")   # overwritten), not a gather then a scatter
+        else:
+            out[hit] = cache.data[slots[hit]]
         return hit & (cache.slot_row[np.maximum(slots, 0)] != unique_rows)
 
 

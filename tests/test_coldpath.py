@@ -135,34 +135,3 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
     finally:
         monkeypatch.undo()
 
-
-def test_rows_read_with_hits_are_admitted_during_the_next_read(wide):
-    """A batch with hits keeps its fresh rows pending; the next batch finds them there (no read) and admits them
-    while its own misses are read. Whatever the caller does to the arrays it got, the cache keeps the file's rows."""
-    path, raw = wide
-    x, y, z = np.arange(0, 10), np.arange(10, 20), np.arange(20, 30)
-    with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
-        a = t.read_plan(t.plan(x), "direct")             # all misses: admitted at once
-        c = rowcache._existing(t)
-        assert c.n_used == 10 and c.pending is None
-        b = t.read_plan(t.plan(np.r_[x, y]), "direct")   # x hits, y read: y pending
-        np.testing.assert_array_equal(b, raw[:20])
-        assert c.n_used == 10 and c.pending is not None
-        np.testing.assert_array_equal(c.pending[0], y)
-        a[:] = 7                                          # the caller's arrays are the caller's
-        b[:] = 9
-        before = t.stats()
-        got = t.read_plan(t.plan(np.r_[y, z]), "direct")  # y from the pending batch, z read; y admitted meanwhile
-        np.testing.assert_array_equal(got, raw[10:30])
-        s = t.stats()
-        assert s["rows_from_cache"] - before["rows_from_cache"] == 10
-        assert s["rows_from_device"] - before["rows_from_device"] == 10
-        np.testing.assert_array_equal(c.slot_row[:c.n_used], np.arange(20))
-        np.testing.assert_array_equal(c.data[:20], raw[:20])
-        np.testing.assert_array_equal(c.pending[0], z)
-        got[:] = 5
-        np.testing.assert_array_equal(t.read_plan(t.plan(np.arange(30)), "direct"), raw[:30])   # no read at all
-        assert t.stats()["rows_from_device"] == s["rows_from_device"]
-        rowcache.drop_all()                               # closing drops the pending batch too
-        assert c.pending is None and c.n_used == 0
-        np.testing.assert_array_equal(t.read_plan(t.plan(np.arange(30)), "direct"), raw[:30])
