@@ -388,9 +388,11 @@ def read_through(table, reader, plan) -> np.ndarray:
 
     The hits are copied out while the misses' reads are in flight (the reader's during_io), not before the
     reads are submitted: on the gemma4-e4b trace that copy (about 2/3 of a batch's unique rows) was 0.46 ms of a
-    cold batch's 4 ms. The cache lock is not held meanwhile, so another Table's admission may evict a hit's slot
-    between the lookup and the copy: the copy checks each slot still holds its row, and rows evicted since are
-    read with the misses' reader afterwards (never seen in the benches; tested)."""
+    cold batch's 4 ms. A large read hands its first rows over while the rest is read (reader.read(on_rows=...),
+    readers.SPLIT_MIN): they are copied into out and admitted then. The cache lock is not held meanwhile, so
+    another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
+    still holds its row, and rows evicted since are read with the misses' reader afterwards (never seen in the
+    benches; tested)."""
     io = table._io
     U = plan.n_unique
     if U == 0:
@@ -416,33 +418,51 @@ def read_through(table, reader, plan) -> np.ndarray:
         return out
     miss = ~hit
     rows = plan.unique_rows[miss]
-    out = np.empty((U, plan.row_bytes), np.uint8) if nh else None
+    if not nh:                       # every row missed: the reader's rows are the result
+        kw = {"during_io": lambda: cache.prefault(U)} if hasattr(reader, "during_io") else {}
+        fresh = reader.read(plan, **kw)
+        _count_reader(io, reader, pc0, d0, U)
+        _admit(cache, reader, rows, fresh, slots[hit], g)
+        return fresh
+    out = np.empty((U, plan.row_bytes), np.uint8)
+    miss_pos = np.flatnonzero(miss)
     stale = []                       # [bool [U]: hits evicted before they were copied], once the hits are copied
 
-    def during_io():
-        if nh:
+    def copy_hits():                 # before any miss is in out (the copy may write every row)
+        if not stale:
             stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
+
+    def during_io():
+        copy_hits()
         cache.prefault(rows.shape[0])
-    kw = {"during_io": during_io} if hasattr(reader, "during_io") else {}
-    fresh = reader.read(_miss_plan(table, rows) if nh else plan, **kw)
-    pc = getattr(reader, "last_from_page_cache", None)
-    if nh and not stale:             # the reader made no read (all from the page cache) or has no during_io
-        stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
-    if nh:
-        out[miss] = fresh
+
+    def on_rows(lo, hi, fresh):      # the misses [lo, hi); a first part comes while the rest is read
+        copy_hits()
+        out[miss_pos[lo:hi]] = fresh
+        _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None)
+    mplan = _miss_plan(table, rows)
+    if hasattr(reader, "during_io"):
+        reader.read(mplan, during_io=during_io, on_rows=on_rows)
     else:
-        out = fresh
+        on_rows(0, rows.shape[0], reader.read(mplan))
+    copy_hits()                      # (no read was made: all from the page cache)
     n_stale = 0
-    if nh and stale[0].any():        # evicted by another Table between the lookup and the copy: read them now
+    if stale[0].any():               # evicted by another Table between the lookup and the copy: read them now
         n_stale = int(stale[0].sum())
         out[stale[0]] = reader.read(_miss_plan(table, plan.unique_rows[stale[0]]))
     io["rows_from_cache"] += nh - n_stale
     _count_reader(io, reader, pc0, d0, U - nh + n_stale)
-    if pc is not None and pc.shape[0] == rows.shape[0]:    # the page cache holds those: admit what the
-        rows, fresh = rows[~pc], fresh[~pc]                  # device delivered
-    with cache.lock:
-        cache.admit(rows, fresh, protect=slots[hit], gen=g)
     return out
+
+
+def _admit(cache: RowCache, reader, rows: np.ndarray, fresh: np.ndarray, protect: np.ndarray, gen) -> None:
+    """Offer rows just read to the cache: those the device delivered (a read's rows copied from the page cache
+    are not admitted: reader.last_from_page_cache, when it covers these rows)."""
+    pc = getattr(reader, "last_from_page_cache", None)
+    if pc is not None and pc.shape[0] == rows.shape[0]:
+        rows, fresh = rows[~pc], fresh[~pc]
+    with cache.lock:
+        cache.admit(rows, fresh, protect=protect, gen=gen)
 
 
 def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -86,8 +86,10 @@ def test_hits_are_copied_while_the_misses_are_read(monkeypatch, wide):
 
 
 def _evict(cache, victims: np.ndarray, rows: np.ndarray, raw: np.ndarray) -> None:
-    """What another Table's admission does to the slots it evicts: new rows, their bytes, the index moved."""
+    """What another Table's admission does to the slots it evicts: new rows, their bytes, the index moved, and
+    cache.gen advanced (an admission since a lookup)."""
     with cache.lock:
+        cache.gen += 1
         cache.index.delete(cache.slot_row[victims])
         cache.slot_row[victims] = rows
         cache.data[victims] = raw[rows]
@@ -102,6 +104,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
     clears the cache or drops it: every batch still returns exactly the file's rows, and the cache stays true."""
     path, raw = wide
     rowcache.drop_all()
+    split_min = data.draw(st.sampled_from([2, 5, 10 ** 9]))      # reads in two parts, or in one
     real_copy = rowcache._copy_hits
 
     def copy_hits(cache, slots, unique_rows, out):
@@ -119,6 +122,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
         return real_copy(cache, slots, unique_rows, out)
     try:
         monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
+        monkeypatch.setattr(readers, "SPLIT_MIN", split_min)
         seen = 0
         with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
             for b in batches:
@@ -135,3 +139,42 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
     finally:
         monkeypatch.undo()
 
+
+def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypatch, wide):
+    """read(on_rows=...) of at least SPLIT_MIN windows: two submissions; the first part's rows come while the second
+    part is in flight, every row once and right; through the row cache, the result and the cache hold the file's
+    rows whatever the caller does to the arrays it got."""
+    path, raw = wide
+    if not uring.probe()[0]:
+        pytest.skip("io_uring not usable here")
+    in_read, parts = [False], []
+    real_read = uring.Ring.read
+
+    def ring_read(self, *a, **kw):
+        in_read[0] = True
+        try:
+            return real_read(self, *a, **kw)
+        finally:
+            in_read[0] = False
+    monkeypatch.setattr(uring.Ring, "read", ring_read)
+    monkeypatch.setattr(readers, "SPLIT_MIN", 8)
+    ids = np.arange(0, N_ROWS, 2)                     # 60 rows, none adjacent: 60 windows
+    with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+        r = t._reader("direct")
+        if r.ring is None or not r.odirect:
+            pytest.skip(f"direct runs without io_uring or O_DIRECT here ({r.how})")
+        p = t.plan(ids)
+        assert p.n_windows == 60
+        assert r.read(p, on_rows=lambda lo, hi, rows: parts.append((lo, hi, rows.copy(), in_read[0]))) is None
+        assert [(lo, hi, during) for lo, hi, _, during in parts] == [(0, 45, True), (45, 60, False)]
+        np.testing.assert_array_equal(np.concatenate([x for _, _, x, _ in parts]), raw[ids])
+        np.testing.assert_array_equal(r.read(p), raw[ids])        # without on_rows: one read, the rows returned
+        first = t.read_plan(t.plan(np.arange(0, 20)), "direct")  # 20 misses, one part: admitted
+        first[:] = 3
+        got = t.read_plan(p, "direct")                   # 10 hits, 50 misses read in two parts
+        np.testing.assert_array_equal(got, raw[ids])
+        c = rowcache._existing(t)
+        assert c.n_used == 70 and t.stats()["rows_from_cache"] == 10
+        got[:] = 1
+        np.testing.assert_array_equal(c.data[:c.n_used], raw[c.slot_row[:c.n_used]])
+        np.testing.assert_array_equal(t.read_plan(t.plan(np.arange(N_ROWS)), "direct"), raw)
