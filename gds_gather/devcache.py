@@ -160,7 +160,7 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
     else:
         miss = ~hit
         rows = plan.unique_rows[miss]
-        mplan = rowcache._miss_plan(table, rows) if nh else plan
+        mplan = rowcache._miss_plan(table, rows, plan.align) if nh else plan
         pc0 = getattr(reader, "rows_from_page_cache", 0)
         if region is None:
             got = reader.read(mplan)

@@ -17,7 +17,8 @@ import numpy as np
 
 from . import arrays
 from .errors import BackendError, ReadError
-from .planner import ReadPlan
+from .planner import ReadPlan, realign
+from .readers import GDS_ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ class GdsReader:
         buffering waits on its own event per slot)."""
         cp = _cp()
         self._base.check_file()
+        plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
         s = arrays.cupy_stream(stream)
         if wait:
             s.synchronize()  # cuFile is not stream-ordered: queued work must be done before we overwrite

@@ -138,7 +138,9 @@ class GpuPrefill:
         self.events = [None, None]
         self.readers, self.staging_views = [], []
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
-        bound = staging_bound_for(table, self.N)
+        # gds: KvikIO uses GPU-direct only for 4 KiB-aligned windows; the host engine's may be finer (wide rows)
+        self.align = table.gds_align if mode == "gds" else table.align
+        bound = staging_bound_for(table, self.N, self.align)
         self.capacity = [None, None]          # bytes of captured staging per slot (None: not captured)
         if self.dc is not None:
             self._cache_buffers(bound)
@@ -291,7 +293,7 @@ class GpuPrefill:
         t, st = self.t, self.stats
         a = time.perf_counter()
         ids = self.mapper(tok)
-        plan = t.plan(ids)
+        plan = t.plan(ids, align=self.align)
         self._check_capacity(plan, s)
         b = time.perf_counter()
         n, N = tok.shape[0], plan.n_ids

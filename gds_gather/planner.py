@@ -235,3 +235,13 @@ def plan_unique(unique: np.ndarray, *, row_bytes: int, data_offset: int, align: 
         data_offset=int(data_offset), align=int(align),
         unique_rows=unique, inverse=inverse, win_offsets=win_offsets, win_lengths=win_lengths,
         win_staging=win_staging, row_window=row_window, row_staging=row_staging)
+
+
+def realign(plan: ReadPlan, align: int, config) -> ReadPlan:
+    """The plan itself where its windows are already multiples of `align`, else the same rows (same inverse and
+    shape) planned at `align` with the Config's window settings."""
+    if plan.align % align == 0:
+        return plan
+    return plan_unique(plan.unique_rows, row_bytes=plan.row_bytes, data_offset=plan.data_offset, align=align,
+                       max_gap=config.max_gap, max_window=config.max_window, max_waste=config.max_waste,
+                       inverse=plan.inverse, shape=plan.shape)

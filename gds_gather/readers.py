@@ -61,6 +61,10 @@ def wide_qd(config: Config, lengths: np.ndarray) -> int:
 # timed pass, staging warm, 4 interleaved passes each: 512 B median 1,660 ms (96.1k windows, 59 MB read),
 # 4096 B median 1,110 ms (75.1k windows: neighbours in touching blocks merge; 380 MB read).
 MIN_ALIGN = 4096
+# KvikIO uses GPU-direct storage only for page-aligned reads ("all reads should be at an offset that is a multiple
+# of 4096 bytes", kvikio's docs); default_align may window wide rows at the device's 512-B logical block, so plans
+# read by device.GdsReader use max(GDS_ALIGN, the table's alignment) (Table.gds_align)
+GDS_ALIGN = 4096
 
 
 def default_align(config: Config, path, row_bytes: int = 0) -> int:

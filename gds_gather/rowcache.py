@@ -479,11 +479,12 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
         return hit & (cache.slot_row[np.maximum(slots, 0)] != unique_rows)
 
 
-def _miss_plan(table, rows: np.ndarray):
-    """The plan of a plan's missing rows (unique, ascending, checked): windows only, no second dedup."""
+def _miss_plan(table, rows: np.ndarray, align: int | None = None):
+    """The plan of a plan's missing rows (unique, ascending, checked): windows only, no second dedup; at the
+    table's alignment, or the original plan's (`align`)."""
     from .planner import plan_unique
     c = table.config
-    return plan_unique(rows, row_bytes=table.row_bytes, data_offset=table.data_offset, align=table.align,
+    return plan_unique(rows, row_bytes=table.row_bytes, data_offset=table.data_offset, align=align or table.align,
                        max_gap=c.max_gap, max_window=c.max_window, max_waste=c.max_waste)
 
 

@@ -64,10 +64,11 @@ def staging_bound(n_ids: int, row_bytes: int, align: int, max_gap: int = 0, max_
     return n_ids * (per_row + gap)
 
 
-def staging_bound_for(table, n_ids: int) -> int:
-    """staging_bound with the table's geometry and its Config's window settings."""
+def staging_bound_for(table, n_ids: int, align: int | None = None) -> int:
+    """staging_bound with the table's geometry (alignment: `align`, default the table's) and its Config's window
+    settings."""
     cfg = table.config
-    return staging_bound(n_ids, table.row_bytes, table.align, getattr(cfg, "max_gap", 0),
+    return staging_bound(n_ids, table.row_bytes, align or table.align, getattr(cfg, "max_gap", 0),
                          getattr(cfg, "max_waste", None))
 
 

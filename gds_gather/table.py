@@ -16,7 +16,7 @@ from .config import Config
 from .errors import BackendError, BadIdsError, HeaderError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
-from .readers import HOST_READERS, Reader, default_align
+from .readers import GDS_ALIGN, HOST_READERS, Reader, default_align
 from .storage import filesystem
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class Table:
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
+        self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
         self._sinks: dict = {}          # GPU destinations, created on first GPU use
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists

@@ -360,6 +360,7 @@ def test_gpu_prefill_host_half_gives_exact_rows_across_runs_and_errors(table, mo
         UB = 64
         p.t, p.mapper, p.N, p.R, p.mode, p.stats = t, (lambda tok: tok), UB, 1, mode, Stats()
         p.capacity = [None, None]
+        p.align = t.gds_align if mode == "gds" else t.align
         p.dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=budget, store=False,
                                                 max_rows=N_ROWS), 0)
         nb = -(-UB * t.row_bytes // 8) * 8

@@ -669,3 +669,23 @@ def test_ragged_ids_raise_bad_ids_error(ids):
         check_ids(ids, 10)
     with pytest.raises(BadIdsError):
         plan_rows(ids, n_rows=10, row_bytes=90, data_offset=0)
+
+
+@given(seed=st.integers(0, 2**31), row_bytes=st.sampled_from([90, 4096, 7392, 9000]))
+@settings(max_examples=60, deadline=None)
+def test_realign_gives_the_same_rows_in_4k_windows(seed, row_bytes):
+    """Plans read by KvikIO (GdsReader) are realigned to 4 KiB: same rows, inverse and shape; windows of the new
+    alignment; a plan already aligned is returned as is."""
+    from gds_gather.config import Config
+    rng = np.random.default_rng(seed)
+    n_rows, off = 5000, int(rng.integers(0, 3)) * 512 + 64
+    ids = rng.integers(0, n_rows, (3, int(rng.integers(1, 200))))
+    cfg = Config(max_gap=int(rng.choice([0, 8192])))
+    fine = plan_rows(ids, n_rows=n_rows, row_bytes=row_bytes, data_offset=off, align=512, max_gap=cfg.max_gap,
+                     max_window=cfg.max_window, max_waste=cfg.max_waste)
+    p = planner.realign(fine, 4096, cfg)
+    assert p.align == 4096 and p.shape == fine.shape
+    np.testing.assert_array_equal(p.unique_rows, fine.unique_rows)
+    np.testing.assert_array_equal(p.inverse, fine.inverse)
+    check_plan_invariants(p, ids, n_rows, row_bytes, off, 4096, cfg.max_gap, cfg.max_window, cfg.max_waste)
+    assert planner.realign(p, 4096, cfg) is p
