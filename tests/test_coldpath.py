@@ -58,20 +58,13 @@ def test_hits_are_copied_while_the_misses_are_read(monkeypatch, wide):
     path, raw = wide
     if not uring.probe()[0]:
         pytest.skip("io_uring not usable here: no reads in flight to overlap")
-    in_read, seen = [False], []
-    real_read, real_copy = uring.Ring.read, rowcache._copy_hits
-
-    def ring_read(self, *a, **kw):
-        in_read[0] = True
-        try:
-            return real_read(self, *a, **kw)
-        finally:
-            in_read[0] = False
+    seen = []
+    real_copy = rowcache._copy_hits
+    in_read = _flag_ring_reads(monkeypatch)
 
     def copy_hits(*a):
         seen.append(in_read[0])
         return real_copy(*a)
-    monkeypatch.setattr(uring.Ring, "read", ring_read)
     monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         r = t._reader("direct")
@@ -83,6 +76,20 @@ def test_hits_are_copied_while_the_misses_are_read(monkeypatch, wide):
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         assert seen == [True]                           # the 20 hits, inside the misses' read
         assert t.stats()["rows_from_cache"] == 20
+
+
+def _flag_ring_reads(monkeypatch) -> list:
+    """[bool]: True while an io_uring read of this process is in flight (Ring.read wrapped)."""
+    in_read, real_read = [False], uring.Ring.read
+
+    def ring_read(self, *a, **kw):
+        in_read[0] = True
+        try:
+            return real_read(self, *a, **kw)
+        finally:
+            in_read[0] = False
+    monkeypatch.setattr(uring.Ring, "read", ring_read)
+    return in_read
 
 
 def _evict(cache, victims: np.ndarray, rows: np.ndarray, raw: np.ndarray) -> None:
@@ -147,16 +154,8 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
     path, raw = wide
     if not uring.probe()[0]:
         pytest.skip("io_uring not usable here")
-    in_read, parts = [False], []
-    real_read = uring.Ring.read
-
-    def ring_read(self, *a, **kw):
-        in_read[0] = True
-        try:
-            return real_read(self, *a, **kw)
-        finally:
-            in_read[0] = False
-    monkeypatch.setattr(uring.Ring, "read", ring_read)
+    parts = []
+    in_read = _flag_ring_reads(monkeypatch)
     monkeypatch.setattr(readers, "SPLIT_MIN", 8)
     ids = np.arange(0, N_ROWS, 2)                     # 60 rows, none adjacent: 60 windows
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
