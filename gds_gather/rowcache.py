@@ -245,7 +245,17 @@ class RowCache:
         data: uint8 [k, row_bytes] (ignored with store=False). protect: slots that must not be evicted now
         (the current batch's hits). gen: self.gen at the lookup that found these rows missing (rows admitted
         since, by another thread, are skipped). Call under self.lock.
+
+        Anything raised inside (a KeyboardInterrupt from a signal handler between publishing a slot in the index
+        and writing its bytes) empties the cache before it propagates: a half-made admission is never a hit.
         """
+        try:
+            return self._admit(rows, data, protect, gen)
+        except BaseException:
+            self._empty()
+            raise
+
+    def _admit(self, rows, data, protect, gen) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
         out = np.full(rows.shape[0], -1, np.int64)
         C = self.capacity
@@ -322,11 +332,17 @@ class RowCache:
 
     def clear(self) -> None:
         with self.lock:
-            self.index = HashIndex(self.capacity)
-            self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
-            self.slot_row.fill(-1)
-            self.slot_freq.fill(0)
-            self.n_used = self._age = 0
+            self._empty()
+
+    def _empty(self) -> None:
+        """Forget every row (under self.lock)."""
+        self.n_used = 0                 # first: a lookup of a half-reset index then finds nothing
+        self.index = HashIndex(self.capacity)
+        self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
+        self.slot_row.fill(-1)
+        self.slot_freq.fill(0)
+        self._age = 0
+        self.gen += 1
 
     def close(self) -> None:
         # under the lock, and empty first: a thread that still holds this cache then only misses (admit returns)
