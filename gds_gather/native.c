@@ -91,3 +91,21 @@ int gg_madvise_ranges(uint8_t *base, const int64_t *off, const int64_t *len, int
         if (madvise(base + off[i], (size_t)len[i], advice) != 0) return errno;
     return 0;
 }
+
+/* out[i] = 1 where every page of [first[i], first[i] + count[i]) of the mapping at `base` is in the page cache
+   (mincore), else 0: the residency of a batch's rows in one call, without a map of the whole file. */
+void gg_mincore_rows(uint8_t *base, const int64_t *first, const int64_t *count, int64_t n, int64_t page,
+                     uint8_t *out) {
+    unsigned char vec[256];
+    for (int64_t i = 0; i < n; i++) {
+        int ok = 1;
+        for (int64_t p = first[i], left = count[i]; left > 0 && ok;) {
+            int64_t k = left < 256 ? left : 256;
+            if (mincore(base + p * page, (size_t)(k * page), vec) != 0) ok = 0;
+            for (int64_t j = 0; j < k && ok; j++) ok = vec[j] & 1;
+            p += k;
+            left -= k;
+        }
+        out[i] = (uint8_t)ok;
+    }
+}

@@ -53,6 +53,8 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
                                   ctypes.POINTER(ctypes.c_int)]
     lib.gg_madvise_ranges.restype = ctypes.c_int
     lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int]
+    lib.gg_mincore_rows.restype = None
+    lib.gg_mincore_rows.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib, f"native helpers {so.name}"
 
 
@@ -82,3 +84,12 @@ def madvise_ranges(lib, base_addr: int, offsets, lengths, advice: int) -> int:
     off = np.ascontiguousarray(offsets, np.int64)
     ln = np.ascontiguousarray(lengths, np.int64)
     return lib.gg_madvise_ranges(base_addr, _ptr(off), _ptr(ln), off.shape[0], advice)
+
+
+def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int) -> np.ndarray:
+    """bool [n]: every page of [first_page[i], first_page[i] + n_pages[i]) of the mapping at base_addr resident."""
+    f = np.ascontiguousarray(first_page, np.int64)
+    c = np.ascontiguousarray(n_pages, np.int64)
+    out = np.zeros(f.shape[0], np.uint8)
+    lib.gg_mincore_rows(base_addr, _ptr(f), _ptr(c), f.shape[0], page, out.ctypes.data)
+    return out.view(bool)

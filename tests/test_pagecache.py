@@ -27,6 +27,20 @@ def wide(tmp_path, ggufs):
     return path, raw
 
 
+@pytest.fixture(autouse=True)
+def map_path(monkeypatch):
+    """These tests check the whole-span map (its refreshes, its planted state): keep every batch on it. The
+    per-row path has its own tests below (exact_path)."""
+    monkeypatch.setattr(Residency, "EXACT_DIV", 1 << 40)
+
+
+@pytest.fixture
+def exact_path(monkeypatch):
+    monkeypatch.setattr(Residency, "EXACT_DIV", 1)
+    if Residency(__file__, 0, 1)._lib is None:
+        pytest.skip("no native helpers (C compiler): the per-row path is not used")
+
+
 def _odirect(t) -> bool:
     t.read_rows([0], "direct")
     return t._readers["direct"].odirect
@@ -182,3 +196,58 @@ def test_cachestat_spares_the_mincore_of_a_cold_file(wide):
             assert res.refreshes == 1 and res.skipped == 2          # nothing changed: the map kept
         finally:
             res.close()
+
+
+def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
+    """The per-row path (no map): the mask is every page of each row resident, against a planted page state
+    (half the file warm, then pages dropped here and there), and reads through it are exact."""
+    path, raw = wide
+    gc.collect()
+    measure.evict_file(path)
+    size = os.path.getsize(path)
+    _warm(path, 0, size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for o in range(0, size, 7 * PAGE):          # every 7th page dropped
+            os.posix_fadvise(fd, o, PAGE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        res = Residency(path, t.data_offset, t.n_bytes)
+        try:
+            rows = np.arange(100, 400)              # 300 rows x 2 pages <= the span's pages: per-row
+            vec = np.zeros(-(-size // PAGE), np.uint8)
+            import ctypes
+            from gds_gather.measure import _libc
+            _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
+                            vec.ctypes.data_as(ctypes.c_void_p))
+            start = t.data_offset + rows * t.row_bytes
+            want = np.array([all(vec[p] & 1 for p in range(s // PAGE, (s + t.row_bytes - 1) // PAGE + 1))
+                             for s in start.tolist()])
+            assert want.any() and not want.all()
+            np.testing.assert_array_equal(res.rows_resident(rows, t.row_bytes), want)
+            assert res.exact == 1 and res.refreshes == 0
+        finally:
+            res.close()
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        ids = np.random.default_rng(2).integers(100, t.n_rows, 300)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] > 0 and s["rows_from_device"] > 0
+        assert t._readers["direct"]._pc.exact >= 1
+
+
+def test_few_rows_on_a_cold_file_skip_mincore(wide, exact_path):
+    path, raw = wide
+    gc.collect()
+    measure.evict_file(path)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        pc = t._readers["direct"]._pc
+        if pc is None or pc.cached() is None:
+            pytest.skip("no cachestat here: the per-row mincore runs every batch")
+        ids = np.arange(100, t.n_rows, 9)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        assert pc.exact == 0 and t.stats()["rows_from_page_cache"] == 0
