@@ -223,7 +223,7 @@ class GdsReader:
         cp = _cp()
         self._base.check_file()
         if not wait and plan.align % GDS_ALIGN:     # (the prefill keeps the plan's row_staging: no realigning)
-            raise ValueError(f"gds: plan at {plan.align}-byte alignment; plan at Table.gds_align ({GDS_ALIGN})")
+            raise BackendError(f"gds: plan at {plan.align}-byte alignment; plan at Table.gds_align ({GDS_ALIGN})")
         plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
         s = arrays.cupy_stream(stream)
         if wait:

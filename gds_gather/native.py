@@ -86,10 +86,13 @@ def madvise_ranges(lib, base_addr: int, offsets, lengths, advice: int) -> int:
     return lib.gg_madvise_ranges(base_addr, _ptr(off), _ptr(ln), off.shape[0], advice)
 
 
-def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int) -> np.ndarray:
-    """bool [n]: every page of [first_page[i], first_page[i] + n_pages[i]) of the mapping at base_addr resident."""
+def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int, map_pages: int) -> np.ndarray:
+    """bool [n]: every page of [first_page[i], first_page[i] + n_pages[i]) of the mapping at base_addr (map_pages
+    long) resident. IndexError for a range outside the mapping (mincore would describe another mapping there)."""
     f = np.ascontiguousarray(first_page, np.int64)
     c = np.ascontiguousarray(n_pages, np.int64)
+    if f.shape[0] and (int(f.min()) < 0 or int(c.min()) < 1 or int((f + c).max()) > map_pages):
+        raise IndexError("mincore_rows: a page range lies outside the mapping")
     out = np.zeros(f.shape[0], np.uint8)
     lib.gg_mincore_rows(base_addr, _ptr(f), _ptr(c), f.shape[0], page, out.ctypes.data)
     return out.view(bool)

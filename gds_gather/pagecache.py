@@ -56,11 +56,14 @@ import os
 import platform
 import time
 
+import logging
+
 import numpy as np
 
 from .measure import _libc
 from .storage import close_mapping
 
+log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 # cachestat(2): the same number on x86_64 and in the generic table (arm64, riscv); Linux 6.5+
 SYS_CACHESTAT = 451 if platform.machine() in ("x86_64", "aarch64", "arm64", "riscv64") else None
@@ -75,6 +78,23 @@ class _Cachestat(ctypes.Structure):
                                                "nr_recently_evicted")]
 
 
+def _mincore_trusted(path) -> bool:
+    """Whether mincore tells the truth about this file's pages. Since Linux 5.0 it reports EVERY page of a file
+    mapping resident unless the process owns the file, may write it, or has CAP_FOWNER (mm/mincore.c,
+    can_do_mincore): a shared read-only model store owned by another user would then be "all resident" and every
+    row a major fault through the mapping. Such files are read O_DIRECT throughout (no page-cache reads), with a
+    log line; root is trusted (CAP_FOWNER), which a root process that dropped its capabilities defeats."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if os.geteuid() == 0 or st.st_uid == os.geteuid() or os.access(path, os.W_OK, effective_ids=True):
+        return True
+    log.info("%s: not owned by this user nor writable: mincore would call every page resident, so page-cache "
+             "reads are off for it (everything O_DIRECT)", path)
+    return False
+
+
 class Residency:
     """Which pages of [data_offset, data_offset + n_bytes) of `path` are in the page cache (see module doc)."""
 
@@ -87,8 +107,9 @@ class Residency:
     EXACT_DIV = 64
     MINCORE_NS_PER_PAGE = 15.0     # 6.4-7.4 ms for 473,000 pages on the development VM
 
-    def __init__(self, path, data_offset: int, n_bytes: int, *, interval: float = 0.25):
+    def __init__(self, path, data_offset: int, n_bytes: int, *, interval: float = 0.25, config=None):
         self.interval = interval
+        self.trusted = _mincore_trusted(path)
         with open(path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if hasattr(mmap, "MADV_RANDOM"):
@@ -109,7 +130,7 @@ class Residency:
         self._stat = _Cachestat()
         self._seen = None               # (nr_cache, nr_evicted) at the last refresh
         from . import native
-        self._lib = native.library()[0]     # None: no C compiler, the map for every batch
+        self._lib = native.library(config)[0]     # None: no C compiler, the map for every batch
         self._none_at = -float("inf")       # exact path: when cachestat last said (almost) nothing is cached
         self._none = False
         self.exact = 0                      # batches answered by per-row mincore
@@ -164,7 +185,10 @@ class Residency:
         self.refreshes += 1
 
     def rows_resident(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
-        """Bool mask of the rows whose every page is resident, or None when no page of the table is."""
+        """Bool mask of the rows whose every page is resident, or None when no page of the table is (or when
+        mincore cannot be trusted for this file: see _mincore_trusted)."""
+        if not self.trusted:
+            return None
         span = -(-row_bytes // PAGE) + 1
         if self._lib is not None and unique_rows.shape[0] * span <= self.vec.shape[0] // self.EXACT_DIV and \
                 self._exact_s < (self.cost if self.refreshes else self.vec.shape[0] * self.MINCORE_NS_PER_PAGE * 1e-9):
@@ -196,7 +220,7 @@ class Residency:
         start = self.data_offset + unique_rows * row_bytes
         first = start // PAGE
         ok = native.mincore_rows(self._lib, self._base.ctypes.data, first, (start + row_bytes - 1) // PAGE - first + 1,
-                                 PAGE)
+                                 PAGE, -(-len(self._mm) // PAGE))
         self.exact += 1
         self._exact_s += time.perf_counter() - now
         return ok if ok.any() else None

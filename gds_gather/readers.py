@@ -452,7 +452,7 @@ class _FdReader(Reader):
             return None
         if self._pc is None:
             from .pagecache import Residency
-            self._pc = Residency(self.path, self.data_offset, self.n_bytes)
+            self._pc = Residency(self.path, self.data_offset, self.n_bytes, config=self.config)
         return self._pc.rows_resident(plan.unique_rows, plan.row_bytes)
 
     def _fetch_mixed(self, plan: ReadPlan, res: np.ndarray):

@@ -204,6 +204,7 @@ class RowCache:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)
         self.lock = threading.Lock()
+        self._dirty = False     # an admission or an emptying was interrupted: empty before the next use
         forksafe.track(self)
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
         self._age = 0
@@ -221,6 +222,8 @@ class RowCache:
     def lookup(self, rows: np.ndarray) -> np.ndarray:
         """Slot of each (unique) row, -1 for a miss; counts the accesses (hits in their slot's counter, misses
         in the sketch). Call under self.lock."""
+        if self._dirty:
+            self._empty()
         rows = np.asarray(rows, np.int64)
         slots = self.index.get(rows) if self.n_used else np.full(rows.shape[0], -1, np.int64)
         hit = slots >= 0
@@ -249,11 +252,16 @@ class RowCache:
         Anything raised inside (a KeyboardInterrupt from a signal handler between publishing a slot in the index
         and writing its bytes) empties the cache before it propagates: a half-made admission is never a hit.
         """
+        if self._dirty:
+            self._empty()
+        self._dirty = True          # until this admission is whole (a second interrupt may hit the handler below)
         try:
-            return self._admit(rows, data, protect, gen)
+            out = self._admit(rows, data, protect, gen)
         except BaseException:
             self._empty()
             raise
+        self._dirty = False
+        return out
 
     def _admit(self, rows, data, protect, gen) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
@@ -335,14 +343,17 @@ class RowCache:
             self._empty()
 
     def _empty(self) -> None:
-        """Forget every row (under self.lock)."""
-        self.n_used = 0                 # first: a lookup of a half-reset index then finds nothing
+        """Forget every row (under self.lock). Interrupted, it leaves the cache dirty: the next lookup, admission
+        or hit copy empties it again before anything else."""
+        self._dirty = True
+        self.n_used = 0
         self.index = HashIndex(self.capacity)
         self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
         self.slot_row.fill(-1)
         self.slot_freq.fill(0)
         self._age = 0
         self.gen += 1
+        self._dirty = False
 
     def close(self) -> None:
         # under the lock, and empty first: a thread that still holds this cache then only misses (admit returns)
@@ -486,7 +497,9 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
     row (evicted, the cache cleared or closed since the lookup), which out does not have right."""
     hit = slots >= 0
     with cache.lock:
-        if not cache.data.shape[0]:             # closed
+        if not cache.data.shape[0] or cache._dirty:     # closed, or an interrupted admission/emptying
+            if cache._dirty:
+                cache._empty()
             return hit
         if 2 * int(hit.sum()) >= slots.shape[0]:    # mostly hits: one gather of every row (the misses' rows get
             np.take(cache.data, slots, axis=0, out=out, mode="clip")   # overwritten), not a gather then a scatter

@@ -200,11 +200,12 @@ class Table:
     def _fetch_ids_device(self, ids, backend: str, stream):
         """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
         import cupy as cp
-        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)))
+        _, mode, _ = choose_device(self, backend, self.config)
+        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)), align=self.gds_align if mode == "gds" else None)
         return (plan, *self.fetch_device(plan, backend, stream))
 
     def _typical_window(self) -> int:
-        return -(-self.row_bytes // self.align) * self.align
+        return -(-self.row_bytes // self.gds_align) * self.gds_align     # (the gds-or-direct window check)
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,

@@ -272,3 +272,27 @@ def test_an_interrupted_admission_leaves_no_wrong_hit(wide):
         np.testing.assert_array_equal(t.read_rows(np.arange(30), "direct"), raw[:30])
         np.testing.assert_array_equal(t.read_rows(np.arange(30), "direct"), raw[:30])
         assert t.stats()["rows_from_cache"] >= 30
+
+
+def test_an_interrupted_emptying_leaves_no_wrong_hit(wide, monkeypatch):
+    """A second interrupt, inside the emptying itself (building the new index): the cache stays dirty and is
+    emptied before its next use, so old index entries never point at rows admitted afterwards."""
+    path, raw = wide
+    with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+        t.read_rows(np.arange(10), "direct")
+        c = rowcache._existing(t)
+        real_index = rowcache.HashIndex
+        calls = [0]
+
+        def index_once(*a):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            return real_index(*a)
+        monkeypatch.setattr(rowcache, "HashIndex", index_once)
+        with pytest.raises(KeyboardInterrupt):
+            c.clear()
+        monkeypatch.setattr(rowcache, "HashIndex", real_index)
+        np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
+        np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
+        np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])

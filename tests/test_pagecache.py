@@ -37,7 +37,8 @@ def map_path(monkeypatch):
 @pytest.fixture
 def exact_path(monkeypatch):
     monkeypatch.setattr(Residency, "EXACT_DIV", 1)
-    if Residency(__file__, 0, 1)._lib is None:
+    from gds_gather import native
+    if native.library()[0] is None:
         pytest.skip("no native helpers (C compiler): the per-row path is not used")
 
 
@@ -251,3 +252,21 @@ def test_few_rows_on_a_cold_file_skip_mincore(wide, exact_path):
         ids = np.arange(100, t.n_rows, 9)
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         assert pc.exact == 0 and t.stats()["rows_from_page_cache"] == 0
+
+
+def test_mincore_is_not_trusted_for_files_it_would_lie_about(wide, monkeypatch):
+    """Linux >= 5.0 reports every page resident where the process neither owns nor may write the file: such a
+    file gets no page-cache reads (all O_DIRECT), rows still exact."""
+    from gds_gather import pagecache
+    path, raw = wide
+    assert pagecache._mincore_trusted(path)
+    monkeypatch.setattr(pagecache.os, "geteuid", lambda: 12345)          # another user, no write access
+    monkeypatch.setattr(pagecache.os, "access", lambda *a, **k: False)
+    assert not pagecache._mincore_trusted(path)
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        ids = np.arange(100, 400)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        assert t.stats()["rows_from_page_cache"] == 0 and not t._readers["direct"]._pc.trusted
