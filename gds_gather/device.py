@@ -156,11 +156,16 @@ class DeviceSink:
                 with c.lock:
                     new_slots = c.admit(rows, None, protect=slots[hit], gen=g)
                 a = new_slots >= 0
-                if a.any():
-                    ar = cp.arange(rb, dtype=cp.int64)
-                    src = cp.asarray(cb + offs[a])[:, None] + ar
-                    dst = cp.asarray(new_slots[a] * rb)[:, None] + ar
-                    dev[dst] = dev[src]
+                k = int(a.sum())
+                try:
+                    if k:   # devcache's row copy: [src offsets | dst offsets | 0, k] in one upload, one launch
+                        from . import devcache
+                        pairs = cp.asarray(np.concatenate([cb + offs[a], new_slots[a] * rb, [0, k]]).astype(np.int64))
+                        p = pairs.data.ptr
+                        devcache.copy_rows(dev.data.ptr, p, p + 8 * k, p + 16 * k, rb, k, s.ptr, dev.device.id)
+                except BaseException:
+                    c.clear()       # the index holds rows the device never copied
+                    raise
             d_offs = self.offsets.ensure(U * 8).view(cp.int64)[:U]
             d_offs.set(offs_all, stream=s)
         return dev[:need], d_offs
