@@ -210,6 +210,14 @@ def _module(device_id: int):
         return cp.RawModule(code=source("copy.cu"), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS)
 
 
+@functools.cache
+def _function(device_id: int, name: str):
+    """A kernel of copy.cu, looked up once (the eager warm-up steps do it, never a captured one)."""
+    import cupy as cp
+    with cp.cuda.Device(device_id):
+        return _module(device_id).get_function(name)
+
+
 def _grid(n: int) -> int:
     return max(1, min(COPY_GRID_MAX, -(-int(n) // COPY_BLOCK)))
 
@@ -218,8 +226,8 @@ def copy_words(src_ptr: int, dst_ptr: int, ctl_ptr: int, max_words: int, stream_
     """Queue gg_copy_words (ctl[0] words src -> dst) with a grid fixed by `max_words` (capturable)."""
     import cupy as cp
     from .arrays import StreamRef
+    fn = _function(device_id, "gg_copy_words")
     with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
-        fn = _module(device_id).get_function("gg_copy_words")
         fn((_grid(max_words),), (COPY_BLOCK,), (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(ctl_ptr)))
 
 
@@ -229,7 +237,7 @@ def copy_rows(pool_ptr: int, src_ptr: int, dst_ptr: int, ctl_ptr: int, row_bytes
     import cupy as cp
     from .arrays import StreamRef
     grid = max(1, min(COPY_GRID_MAX, int(max_rows)))
+    fn = _function(device_id, "gg_copy_rows")
     with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
-        fn = _module(device_id).get_function("gg_copy_rows")
         fn((grid,), (COPY_BLOCK,), (np.uint64(pool_ptr), np.uint64(src_ptr), np.uint64(dst_ptr),
                                     np.uint64(ctl_ptr), np.int64(row_bytes)))
