@@ -146,10 +146,8 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
     fresh_base in the pool. gds mode: `region` is the pool offset of the slot's region; `reader.fetch(plan,
     wait=False)` reads the misses' windows there. Counts go into table._io (Table.stats()).
     """
-    c, rb, U = dc.index, plan.row_bytes, plan.n_unique
-    with c.lock:
-        g = c.gen
-        slots = c.lookup(plan.unique_rows)
+    c, rb, U, io = dc.index, plan.row_bytes, plan.n_unique, table._io
+    slots, g = c.lookup_gen(plan.unique_rows)
     hit = slots >= 0
     nh = int(hit.sum())
     offs = np.empty(U, np.int64)
@@ -171,18 +169,15 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
         else:
             reader.fetch(mplan, wait=False)
             fo = int(region) + mplan.row_staging
-        pc = getattr(reader, "rows_from_page_cache", 0) - pc0
+        pc = rowcache._count_reader(io, reader, pc0, U - nh)
         offs[miss] = fo
         with c.lock:
             new = c.admit(rows, None, protect=slots[hit], gen=g)
         a = new >= 0
         src, dst = fo[a], new[a] * rb
-    io = table._io
     io["cache_hits"] += nh
     io["rows_from_cache"] += nh
     io["cache_misses"] += U - nh
-    io["rows_from_page_cache"] += pc
-    io["rows_from_device"] += U - nh - pc
     return Staged(offs, words, src, dst, nh, pc, U - nh - pc)
 
 

@@ -119,9 +119,7 @@ class DeviceSink:
         c, rb, U = self.cache, plan.row_bytes, plan.n_unique
         cb = c.capacity * rb
         self.reader.check_file()                 # hits must not outlive a changed file
-        with c.lock:
-            g = c.gen
-            slots = c.lookup(plan.unique_rows)
+        slots, g = c.lookup_gen(plan.unique_rows)
         hit = slots >= 0
         nh = int(hit.sum())
         offs_all = np.empty(U, np.int64)
@@ -135,9 +133,8 @@ class DeviceSink:
             nbytes = int(offs.max()) + rb
             offs_all[miss] = cb + offs
             if self.io is not None:
-                pc = getattr(self.reader, "rows_from_page_cache", 0) - pc0
-                self.io["rows_from_page_cache"] += pc
-                self.io["rows_from_device"] += U - nh - pc
+                from .rowcache import _count_reader
+                _count_reader(self.io, self.reader, pc0, U - nh)
         if self.io is not None:
             self.io["cache_hits"] += nh
             self.io["rows_from_cache"] += nh

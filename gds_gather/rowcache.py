@@ -241,6 +241,12 @@ class RowCache:
         self.misses += rows.shape[0] - h
         return slots
 
+    def lookup_gen(self, rows: np.ndarray) -> tuple[np.ndarray, int]:
+        """lookup under the lock, with the generation to pass to admit(gen=) for the rows that missed."""
+        with self.lock:
+            g = self.gen
+            return self.lookup(rows), g
+
     def admit(self, rows: np.ndarray, data: np.ndarray | None = None, protect: np.ndarray | None = None,
               gen: int | None = None):
         """Offer freshly read (unique) rows; returns the slot each was stored in, -1 where not admitted.
@@ -425,10 +431,10 @@ def read_through(table, reader, plan) -> np.ndarray:
     if U == 0:
         return np.empty((0, plan.row_bytes), np.uint8)
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
-    pc0, d0 = getattr(reader, "rows_from_page_cache", 0), getattr(reader, "rows_from_device", None)
+    pc0 = getattr(reader, "rows_from_page_cache", 0)
     if cache is None:
         out = reader.read(plan)
-        _count_reader(io, reader, pc0, d0, U)
+        _count_reader(io, reader, pc0, U)
         return out
     with cache.lock:
         g = cache.gen
@@ -448,7 +454,7 @@ def read_through(table, reader, plan) -> np.ndarray:
     if not nh:                       # every row missed: the reader's rows are the result
         kw = {"during_io": lambda: cache.prefault(U)} if hasattr(reader, "during_io") else {}
         fresh = reader.read(plan, **kw)
-        _count_reader(io, reader, pc0, d0, U)
+        _count_reader(io, reader, pc0, U)
         _admit(cache, reader, rows, fresh, slots[hit], g)
         return fresh
     out = np.empty((U, plan.row_bytes), np.uint8)
@@ -478,7 +484,7 @@ def read_through(table, reader, plan) -> np.ndarray:
         n_stale = int(stale[0].sum())
         out[stale[0]] = reader.read(_miss_plan(table, plan.unique_rows[stale[0]]))
     io["rows_from_cache"] += nh - n_stale
-    _count_reader(io, reader, pc0, d0, U - nh + n_stale)
+    _count_reader(io, reader, pc0, U - nh + n_stale)
     return out
 
 
@@ -517,10 +523,13 @@ def _miss_plan(table, rows: np.ndarray, align: int | None = None):
                        max_gap=c.max_gap, max_window=c.max_window, max_waste=c.max_waste)
 
 
-def _count_reader(io: dict, reader, pc0: int, d0, n: int) -> None:
+def _count_reader(io: dict, reader, pc0: int, n: int) -> int:
+    """Count n rows a reader delivered into io: those it copied from the page cache (its rows_from_page_cache
+    counter, pc0 before the read) and the rest from the device; returns the former."""
     pc = getattr(reader, "rows_from_page_cache", 0) - pc0
     io["rows_from_page_cache"] += pc
     io["rows_from_device"] += n - pc
+    return pc
 
 
 IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "cache_hits", "cache_misses")
