@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather import devcache, rowcache
+from gds_gather.kernels import write_sources
 from gds_gather.readers import DirectReader
 from gds_gather.rowcache import RowCache
 
@@ -218,16 +219,11 @@ extern "C" void run_rows(unsigned char* p, const long long* s, const long long* 
 """
 
 
-def _write_sources(tmp_path):
-    from gds_gather.kernels import source
-    (tmp_path / "copy.cu").write_text(source("copy.cu"), encoding="utf-8")
-
-
 def test_copy_kernels_as_host_code(tmp_path):
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler: the host build of kernels/copy.cu cannot be checked")
-    _write_sources(tmp_path)
+    write_sources(tmp_path, ("copy.cu",))
     (tmp_path / "shim.cpp").write_text(HOST_SHIM, encoding="utf-8")
     lib = tmp_path / "libcopy.so"
     subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "shim.cpp")],
@@ -260,7 +256,7 @@ def test_copy_kernels_compile_for_sm90_and_amd(tmp_path):
     nvcc, hipcc = shutil.which("nvcc"), shutil.which("hipcc")
     if nvcc is None and hipcc is None:
         pytest.skip("neither nvcc nor hipcc: the device builds of kernels/copy.cu cannot be checked")
-    _write_sources(tmp_path)
+    write_sources(tmp_path, ("copy.cu",))
     if nvcc:
         r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "c.cubin"), str(tmp_path / "copy.cu")],
                            capture_output=True, text=True)

@@ -41,9 +41,8 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     hipcc = shutil.which("hipcc")
     if hipcc is None:
         pytest.skip("hipcc not found (apt-get install hipcc): the ROCm compile check of kernels/ cannot run")
-    from gds_gather.kernels import source
-    for name in ("dequant.cuh", "gather.cu"):
-        (tmp_path / name).write_text(source(name), encoding="utf-8")
+    from gds_gather.kernels import write_sources
+    write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
     obj = tmp_path / "gather.o"
     cmd = [hipcc, *(f"--offload-arch={t}" for t in TARGETS), "-std=c++17", "-ffp-contract=off",
            "-DGG_INSTANTIATE_EACH_TYPE", *(f"-D{k}={v}" for k, v in dg.defines().items()),

@@ -272,9 +272,8 @@ def test_nvcc_sm90_compiles_every_kernel(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: the sm_90 compile check of kernels/gather.cu cannot run")
-    from gds_gather.kernels import source
-    for name in ("dequant.cuh", "gather.cu"):
-        (tmp_path / name).write_text(source(name), encoding="utf-8")
+    from gds_gather.kernels import write_sources
+    write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
     flags = [f"-D{k}={v}" for k, v in dg.defines().items()]
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "--fmad=false", "--ftz=false", "-cubin", "-DGG_INSTANTIATE_ALL",
            "-Xptxas", "-v", *flags, "-o", str(tmp_path / "gather.cubin"), str(tmp_path / "gather.cu")]
