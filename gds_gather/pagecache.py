@@ -189,9 +189,7 @@ class Residency:
         mincore cannot be trusted for this file: see _mincore_trusted)."""
         if not self.trusted:
             return None
-        span = -(-row_bytes // PAGE) + 1
-        if self._lib is not None and unique_rows.shape[0] * span <= self.vec.shape[0] // self.EXACT_DIV and \
-                self._exact_s < (self.cost if self.refreshes else self.vec.shape[0] * self.MINCORE_NS_PER_PAGE * 1e-9):
+        if self._per_row(unique_rows.shape[0], row_bytes):
             return self._rows_exact(unique_rows, row_bytes)
         if time.perf_counter() - self._last >= max(self.interval, 50 * self.cost):
             self._update()
@@ -205,6 +203,14 @@ class Residency:
             self._update(force=True)
             ok = self._mask(first, last, row_bytes) if self.any else np.zeros(first.shape[0], bool)
         return ok if ok.any() else None
+
+    def _per_row(self, n_rows: int, row_bytes: int) -> bool:
+        """Whether this batch asks mincore about its own rows (see EXACT_DIV): the native helper is there, the rows
+        touch few pages, and the per-row calls so far cost less than one map refresh (measured, or estimated)."""
+        pages = self.vec.shape[0]
+        refresh_s = self.cost if self.refreshes else pages * self.MINCORE_NS_PER_PAGE * 1e-9
+        return (self._lib is not None and n_rows * (-(-row_bytes // PAGE) + 1) <= pages // self.EXACT_DIV
+                and self._exact_s < refresh_s)
 
     def _rows_exact(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
         """rows_resident for a few rows: mincore of each row's pages now (no map, nothing stale). cachestat, asked
