@@ -315,7 +315,6 @@ class GpuPrefill:
             rows = self.readers[s].read(plan)
             self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
         else:       # the table's row cache (hits) + fresh reads, compact
-            from . import rowcache
             rows = rowcache.read_through(t, self.readers[s], plan)
             if self.mode == "copy":
                 self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
