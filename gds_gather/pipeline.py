@@ -145,9 +145,8 @@ class GpuPrefill:
         if self.dc is not None:
             self._cache_buffers(bound)
         elif mode == "gds":
-            from .device import GdsReader
             for s in range(2):
-                r = GdsReader(table.path, table.data_offset, table.n_bytes, config=self.cfg, file_id=table.file_id)
+                r = self._new_reader()
                 buf = r.dev.ensure(bound)
                 self.capacity[s] = int(buf.nbytes)
                 self.staging_views.append(torch.as_tensor(buf, device=self.dev))
@@ -159,8 +158,7 @@ class GpuPrefill:
         else:
             from .device import device_view, pin_staging
             for _ in range(2):
-                r = HOST_READERS[name](table.path, table.data_offset, table.n_bytes, config=self.cfg,
-                                       file_id=table.file_id)
+                r = self._new_reader()
                 if mode == "zero-copy" and not hasattr(r, "staging"):
                     mode = self.mode = "copy"
                 self.readers.append(r)
@@ -181,6 +179,14 @@ class GpuPrefill:
                     + (f"; device row cache of {self.dc.index.capacity:,} rows in GPU memory" if self.dc else "")
                     + f"; {self.graph_why}")
 
+    def _new_reader(self):
+        """A reader of the table for one staging slot: KvikIO for gds, else the host backend."""
+        t = self.t
+        if self.mode == "gds":
+            from .device import GdsReader
+            return GdsReader(t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
+        return HOST_READERS[self.backend](t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
+
     def _cache_buffers(self, bound: int) -> None:
         """Buffers of the device row cache (devcache.py): one pool [slots | fresh area], per slot the pinned control
         counts and admissions, and (copy) a pinned, GPU-mapped host buffer for the slot's fresh rows or (gds) the
@@ -194,11 +200,10 @@ class GpuPrefill:
         self.adm_d = torch.zeros(2 * N, dtype=torch.int64, device=self.dev)
         self.region = [None, None]
         if self.mode == "gds":
-            from .device import GdsReader
             step = -(-bound // devcache.FRESH_ALIGN) * devcache.FRESH_ALIGN
             pool = dc.ensure(2 * step)
             for s in range(2):
-                r = GdsReader(t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
+                r = self._new_reader()
                 self.region[s] = dc.fresh_base + s * step
                 r.dev.buf = pool[self.region[s]:self.region[s] + bound]     # cuFile reads land in the pool
                 self.capacity[s] = bound
@@ -211,8 +216,7 @@ class GpuPrefill:
             self.fresh_dev = [int(cp.cuda.runtime.pointerGetAttributes(m.ptr).devicePointer) for m in self.fresh_mem]
             self.fresh_words_max = nb // 8
             for _ in range(2):
-                self.readers.append(HOST_READERS[self.backend](t.path, t.data_offset, t.n_bytes, config=self.cfg,
-                                                              file_id=t.file_id))
+                self.readers.append(self._new_reader())
         self.pool_view = torch.as_tensor(pool, device=self.dev)
         self.staging_views = [self.pool_view, self.pool_view]
 
