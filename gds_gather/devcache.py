@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rowcache
-from .planner import ReadPlan
+from .planner import ReadPlan, replan
 
 FRESH_ALIGN = 4096          # the fresh area and the gds slot regions start page-aligned (cuFile, 8-byte copies)
 COPY_BLOCK = 256
@@ -158,7 +158,7 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
     else:
         miss = ~hit
         rows = plan.unique_rows[miss]
-        mplan = rowcache._miss_plan(table, rows, plan.align) if nh else plan
+        mplan = replan(plan, table.config, rows) if nh else plan
         pc0 = getattr(reader, "rows_from_page_cache", 0)
         if region is None:
             got = reader.read(mplan)

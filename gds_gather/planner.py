@@ -237,11 +237,18 @@ def plan_unique(unique: np.ndarray, *, row_bytes: int, data_offset: int, align: 
         win_staging=win_staging, row_window=row_window, row_staging=row_staging)
 
 
+def replan(plan: ReadPlan, config, rows: np.ndarray | None = None, align: int | None = None) -> ReadPlan:
+    """The same table geometry planned again with the Config's window settings, at `align` (default the plan's):
+    `rows` (unique, ascending, from plan.unique_rows: e.g. a batch's row-cache misses; windows only, no second
+    dedup), or every row of the plan, keeping its inverse and shape."""
+    whole = rows is None
+    return plan_unique(plan.unique_rows if whole else rows, row_bytes=plan.row_bytes, data_offset=plan.data_offset,
+                       align=align or plan.align, max_gap=config.max_gap, max_window=config.max_window,
+                       max_waste=config.max_waste, inverse=plan.inverse if whole else None,
+                       shape=plan.shape if whole else None)
+
+
 def realign(plan: ReadPlan, align: int, config) -> ReadPlan:
     """The plan itself where its windows are already multiples of `align`, else the same rows (same inverse and
     shape) planned at `align` with the Config's window settings."""
-    if plan.align % align == 0:
-        return plan
-    return plan_unique(plan.unique_rows, row_bytes=plan.row_bytes, data_offset=plan.data_offset, align=align,
-                       max_gap=config.max_gap, max_window=config.max_window, max_waste=config.max_waste,
-                       inverse=plan.inverse, shape=plan.shape)
+    return plan if plan.align % align == 0 else replan(plan, config, align=align)

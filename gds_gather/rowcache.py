@@ -27,6 +27,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import forksafe
+from .planner import replan
 from .storage import close_mapping
 
 log = logging.getLogger(__name__)
@@ -473,7 +474,7 @@ def read_through(table, reader, plan) -> np.ndarray:
         copy_hits()
         out[miss_pos[lo:hi]] = fresh
         _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None)
-    mplan = _miss_plan(table, rows)
+    mplan = replan(plan, table.config, rows, table.align)
     if hasattr(reader, "during_io"):
         reader.read(mplan, during_io=during_io, on_rows=on_rows)
     else:
@@ -482,7 +483,7 @@ def read_through(table, reader, plan) -> np.ndarray:
     n_stale = 0
     if stale[0].any():               # evicted by another Table between the lookup and the copy: read them now
         n_stale = int(stale[0].sum())
-        out[stale[0]] = reader.read(_miss_plan(table, plan.unique_rows[stale[0]]))
+        out[stale[0]] = reader.read(replan(plan, table.config, plan.unique_rows[stale[0]], table.align))
     io["rows_from_cache"] += nh - n_stale
     _count_reader(io, reader, pc0, U - nh + n_stale)
     return out
@@ -512,15 +513,6 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
         else:
             out[hit] = cache.data[slots[hit]]
         return hit & (cache.slot_row[np.maximum(slots, 0)] != unique_rows)
-
-
-def _miss_plan(table, rows: np.ndarray, align: int | None = None):
-    """The plan of a plan's missing rows (unique, ascending, checked): windows only, no second dedup; at the
-    table's alignment, or the original plan's (`align`)."""
-    from .planner import plan_unique
-    c = table.config
-    return plan_unique(rows, row_bytes=table.row_bytes, data_offset=table.data_offset, align=align or table.align,
-                       max_gap=c.max_gap, max_window=c.max_window, max_waste=c.max_waste)
 
 
 def _count_reader(io: dict, reader, pc0: int, n: int) -> int:
