@@ -39,15 +39,8 @@ ERROR_KEYS = ("max_abs_error", "rms_error", "max_abs_value")
 @functools.cache
 def quantizable_types() -> tuple[GGMLQuantizationType, ...]:
     """The table types gguf.quants.quantize can write (checked against the installed gguf)."""
-    ok = []
-    for qt in quants.supported_types():
-        block = quants.block_geometry(qt)[0]
-        try:
-            gq.quantize(np.zeros((1, block), np.float32), qt)
-        except NotImplementedError:
-            continue
-        ok.append(qt)
-    return tuple(ok)
+    return quants.implemented(quants.supported_types(), lambda qt: gq.quantize(
+        np.zeros((1, quants.block_geometry(qt)[0]), np.float32), qt))
 
 
 def check_qtype(qtype) -> GGMLQuantizationType:

@@ -19,18 +19,22 @@ CANDIDATES = (
 )
 
 
-@functools.cache
-def supported_types() -> tuple[GGMLQuantizationType, ...]:
-    """Every candidate type the installed gguf dequantizes."""
+def implemented(types, call) -> tuple[GGMLQuantizationType, ...]:
+    """The types for which call(qt) does not raise NotImplementedError: what the installed gguf implements."""
     ok = []
-    for qt in CANDIDATES:
-        block, size = GGML_QUANT_SIZES[qt]
+    for qt in types:
         try:
-            gq.dequantize(np.zeros((1, size), np.uint8), qt)
+            call(qt)
         except NotImplementedError:
             continue
         ok.append(qt)
     return tuple(ok)
+
+
+@functools.cache
+def supported_types() -> tuple[GGMLQuantizationType, ...]:
+    """Every candidate type the installed gguf dequantizes."""
+    return implemented(CANDIDATES, lambda qt: gq.dequantize(np.zeros((1, GGML_QUANT_SIZES[qt][1]), np.uint8), qt))
 
 
 def qtype_of(value) -> GGMLQuantizationType:
