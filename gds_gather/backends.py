@@ -61,7 +61,7 @@ def gds_state() -> tuple[bool, bool, str]:
 
 def _gds(platform: Platform) -> Backend:
     if platform.kind != "discrete":
-        return Backend("gds", False, f"needs a discrete NVIDIA GPU; platform is {platform.kind} ({platform.reason})",
+        return Backend("gds", False, f"needs a discrete NVIDIA GPU; platform is {platform.kind}",
                        "device")
     ok, real, why = gds_state()
     return Backend("gds", ok, why, "device")
@@ -87,8 +87,7 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
         forced = "requested"
     if name == "auto":
         plat = detect(cfg.platform)
-        why = (f"platform {plat.kind} ({plat.reason}): direct reads into host memory "
-               f"({_direct_how()})")
+        why = f"platform {plat.kind}: direct reads into host memory ({_direct_how()})"   # the platform line says why
         return "direct", why
     table = {b.name: b for b in backends(cfg)}
     if name not in table:

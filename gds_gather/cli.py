@@ -1,4 +1,4 @@
-"""The `gds-gather` command: info, make-model, prefill, bench."""
+"""The `gds-gather` command: info, make-model, prefill, convert, bench."""
 from __future__ import annotations
 
 import argparse
@@ -10,18 +10,11 @@ from . import __version__
 from .backends import backends, resolve
 from .config import Config
 from .errors import GatherError
+from .measure import human_bytes
 from .platform import detect
 
 
 MAX_UBATCH = 1 << 16      # tokens per ubatch: staging for 65,536 tokens of gemma rows is already ~480 MB
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,8 +92,8 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  rows           {d['n_rows']:,} rows x {d['row_elems']} elements = {d['row_bytes']} B/row")
     if d["convert"]:
         print(f"  convert        {d['convert']}")
-    print(f"  table          {_human(d['table_bytes'])} at offset {d['data_offset']:,} "
-          f"(F32 would be {_human(d['f32_bytes'])}, {d['f32_bytes'] / d['table_bytes']:.1f}x)")
+    print(f"  table          {human_bytes(d['table_bytes'])} at offset {d['data_offset']:,} "
+          f"(F32 would be {human_bytes(d['f32_bytes'])}, {d['f32_bytes'] / d['table_bytes']:.1f}x)")
     print(f"  storage        {d['filesystem']}, O_DIRECT alignment {d['align']} B")
     print(f"  platform       {plat.kind}: {plat.reason}")
     print(f"  GPU path       {plat.path}")
@@ -149,11 +142,16 @@ def cmd_prefill(args, cfg: Config) -> int:
     from .prefill import run_prefill
     result = run_prefill(args.model, cfg, prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch,
                          backend=args.backend, graph=not args.no_graph, cold=args.cold, drop_caches=args.drop_caches, trunk=args.trunk,
-                         dtype=args.dtype, progress=not args.json, log=print if not args.json else None,
+                         dtype=args.dtype, progress=not args.json, log=_stderr if args.json else print,
                          cache=args.cache)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
     return 0
+
+
+def _stderr(line: str) -> None:
+    """--json: the human lines go to stderr, so stdout holds the JSON line alone."""
+    print(line, file=sys.stderr)
 
 
 def _cmd_convert(args, cfg: Config) -> int:
@@ -205,14 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="empty the WHOLE machine's page cache first (echo 3 > /proc/sys/vm/drop_caches; root)")
     s.add_argument("--no-graph", action="store_true", help="run the GPU steps eagerly (no CUDA graph)")
     s.add_argument("--trunk", choices=("real", "tiny", "none"),
-                   help="synthetic trunk: real shapes (GPU default), tiny (CPU default), none (CPU: fetch only)")
+                   help="synthetic trunk, random weights: real (the preset's shapes; the GPU default), tiny, or none "
+                        "(the PLE step alone; the CPU default)")
     s.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face transformers model (Gemma 4 / Gemma 3n): its "
                    "prefill with the PLE table resident vs offloaded, A/B")
     s.add_argument("--table", help="with --hf: the table file (default: the checkpoint's own safetensors)")
     s.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="GPU dequant output and trunk dtype (default bfloat16); --hf: the model's (default: the "
                    "checkpoint's)")
-    s.add_argument("--json", action="store_true", help="end with one JSON line")
+    s.add_argument("--json", action="store_true", help="print one JSON line on stdout (the human lines go to stderr)")
     s.add_argument("--cache", type=_cache_size, default=None, metavar="BYTES",
                    help="row cache budget: bytes (K/M/G suffixes), 0 = off, auto = 10%% of the table up to 256 MiB "
                         "(default: GDS_GATHER_CACHE_BYTES, else auto)")

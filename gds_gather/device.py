@@ -180,6 +180,7 @@ class GdsReader:
     """
 
     name = "gds"
+    tells_source = True      # cuFile reads every row from the file (no page-cache copies)
 
     def __init__(self, path, data_offset, n_bytes, *, config, file_id):
         try:

@@ -50,3 +50,7 @@ class NotSafetensorsError(NotGGUFError):
 
 class ModelMismatchError(GatherError, ValueError):
     """A model and a table that do not fit: no per-layer embedding, or rows, width or dtype that differ."""
+
+
+class TableLayoutError(GatherError, ValueError):
+    """A table whose per-layer layout (layer count, elements per layer) is missing or does not fit its rows."""

@@ -6,6 +6,7 @@ import functools
 import json
 import mmap
 import os
+import textwrap
 import platform
 import resource
 import shutil
@@ -14,6 +15,23 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+
+WIDTH = 120      # every bench and prefill line fits a terminal of this many columns
+
+
+def fit(text: str, indent: str = "    ") -> str:
+    """text wrapped at WIDTH columns at spaces, continuation lines indented."""
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (powers of 1024; whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
 
 
 def drop_caches() -> bool:

@@ -44,10 +44,12 @@ class Stats:
     bytes_read: int = 0
     io_seconds: float = 0.0            # host time inside reads
     index_seconds: float = 0.0         # host time computing row ids and plans
-    ple_gpu_ms: list = field(default_factory=list)   # per ubatch: wait + copies + dequant on the GPU
+    ple_gpu_ms: list = field(default_factory=list)   # some ubatches: wait + copies + dequant on the GPU
+    trunk_seconds: float = 0.0         # CPU pipeline: the main thread's time in the per-layer math and trunk
 
-    def as_dict(self, wall: float) -> dict:
-        ple_ms = sum(self.ple_gpu_ms) if self.ple_gpu_ms else None
+    def as_dict(self, wall: float, split: tuple | None = None) -> dict:
+        """split: (ple_seconds, trunk_seconds, how) where the pipeline measured them (None: unknown)."""
+        ple, trunk, how = split or (None, None, "not measured")
         return {
             "tokens": self.tokens, "ple_rows": self.ple_rows, "unique_rows": self.unique_rows,
             "useful_bytes": self.useful_bytes, "bytes_read": self.bytes_read,
@@ -55,25 +57,40 @@ class Stats:
             "seconds": wall, "tok_per_s": self.tokens / wall if wall else 0.0,
             "rows_per_s": self.ple_rows / wall if wall else 0.0,
             "io_seconds": self.io_seconds, "index_seconds": self.index_seconds,
-            "ple_wait_share": (ple_ms / 1e3 / wall) if ple_ms is not None and wall else None,
+            "ple_seconds": ple, "trunk_seconds": trunk, "split_method": how,
+            "ple_share": ple / wall if ple is not None and wall else None,
+            "ple_rows_per_s": self.ple_rows / ple if ple else None,
+            "trunk_share": trunk / wall if trunk is not None and wall else None,
         }
 
 
 def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
     """The synthetic trunk matching the table's model (real shapes, or tiny for the CPU)."""
     from .model import PRESETS, TrunkConfig
-    if table.arch == "qwen4exp":
+    if not mapper.gemma:
         preset = PRESETS["qwen4exp"]
+        layout = {}
     else:
-        n_layer = table.row_elems // 256
-        candidates = [p for p in PRESETS.values() if p.arch == table.arch and p.n_layer == n_layer]
-        preset = candidates[0] if candidates else next(p for p in PRESETS.values() if p.arch == "gemma4")
+        same = [p for p in PRESETS.values() if p.arch == table.arch and p.n_layer == mapper.n_layer
+                and p.n_embd_per_layer == mapper.per_layer]
+        preset = same[0] if same else next(p for p in PRESETS.values()
+                                           if p.arch == (table.arch if table.arch == "gemma3n" else "gemma4"))
+        layout = dict(n_layer=mapper.n_layer, n_embd_per_layer=mapper.per_layer)   # the table's, always
     if trunk == "tiny":
         cfg = TrunkConfig.tiny(preset.arch, ple_width=table.row_elems * mapper.rows_per_token,
-                               n_layer=max(1, table.row_elems // 256) if preset.arch != "qwen4exp" else None)
+                               n_layer=layout.get("n_layer"))
     else:
-        cfg = TrunkConfig.from_preset(preset)
+        cfg = TrunkConfig.from_preset(preset, **layout)
     return _build_trunk(cfg, seed, str(device), dtype)
+
+
+def trunk_label(trunk, kind: str) -> str:
+    """What the trunk is, for the output: synthetic, its shape, random weights (it is no model's trunk)."""
+    if trunk is None:
+        return "none (the PLE step alone)"
+    c = trunk.cfg
+    return (f"synthetic {kind} ({c.arch} shape: {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads of "
+            f"{c.head_dim}, n_ff {c.n_ff}), random weights")
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,9 +140,10 @@ class GpuPrefill:
         torch, rb = self.torch, table.row_bytes
         self.stream = torch.cuda.Stream()
         self.trunk = _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
-        # kernel geometry: gemma writes [n_layer, T, 256] scaled by sqrt(256); qwen4exp [T*16, 160] unscaled
-        self.gemma = table.arch != "qwen4exp"
-        self.kargs = (dict(layout="per_layer", n_layer=table.row_elems // 256, scale=16.0) if self.gemma
+        self.trunk_kind = trunk
+        # kernel geometry: gemma writes [n_layer, T, per_layer] scaled by sqrt(per_layer); qwen4exp [T*16, 160]
+        self.gemma = mapper.gemma
+        self.kargs = (dict(layout="per_layer", n_layer=mapper.n_layer, scale=mapper.row_scale) if self.gemma
                       else dict(layout="flat"))
         pin = dict(pin_memory=True)
         self.tokens_pin = [torch.zeros(ubatch, dtype=torch.int64, **pin) for _ in range(2)]
@@ -415,8 +433,8 @@ class GpuPrefill:
             if k >= 0:
                 self._collect_timing(k, ub, k % 2)
         self.stats.bytes_read += sum(r.bytes_read for r in self.readers)
-        res = self.stats.as_dict(wall)
-        res.update(pipeline="gpu", graph=self.graph, graph_reason=self.graph_why, schedule=mode,
+        res = self.stats.as_dict(wall, self._split(wall, len(ub)))
+        res.update(pipeline="gpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=self.graph, graph_reason=self.graph_why, schedule=mode,
                    backend=self.backend, destination=self.mode, backend_reason=self.why, how=self.how,
                    ubatch=self.ubatch, ubatches=len(ub))
         if self.dc is not None:
@@ -424,6 +442,16 @@ class GpuPrefill:
         if collect:
             res["outputs"] = [tuple(x.float().cpu() for x in o) for o in outs]
         return res
+
+    def _split(self, wall: float, n_ub: int):
+        """The PLE step's device time (CUDA events around it in the last ubatches, scaled to all of them); the
+        trunk is the rest of the wall time."""
+        ms = self.stats.ple_gpu_ms
+        if not ms:
+            return None
+        ple = min(wall, sum(ms) / len(ms) / 1e3 * n_ub)
+        return ple, wall - ple, (f"CUDA events around the PLE step (wait, copies, dequant) of {len(ms)} of {n_ub} "
+                                 "ubatches, scaled; the trunk is the rest of the wall time")
 
     def _collect_timing(self, k: int, ub, s: int) -> None:
         if k < 0:
@@ -467,21 +495,21 @@ class CpuPrefill:
         self.t, self.mapper, self.ubatch = table, mapper, ubatch
         self.backend, self.why = resolve(backend, config or table.config)
         self.torch = self.trunk = None
+        self.trunk_kind = trunk
         if trunk != "none":
             import torch
             self.torch = torch
             self.trunk = _trunk_for(table, mapper, torch.device("cpu"), torch.float32, trunk, seed)
-        self.gemma = table.arch != "qwen4exp"
+        self.gemma = mapper.gemma
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
 
     def per_layer_rows(self, rows_f32: np.ndarray, n: int):
-        """Kernel-equivalent layout: gemma [n_layer, T, 256] x 16; qwen4exp [T, 16*160]."""
-        torch = self.torch
+        """Kernel-equivalent layout: gemma [n_layer, T, per_layer] x sqrt(per_layer); qwen4exp [T, 16*160]."""
+        torch, m = self.torch, self.mapper
         x = torch.from_numpy(rows_f32)
         if self.gemma:
-            n_layer = self.t.row_elems // 256
-            return (x.view(n, n_layer, 256) * 16.0).permute(1, 0, 2).contiguous()
+            return (x.view(n, m.n_layer, m.per_layer) * m.row_scale).permute(1, 0, 2).contiguous()
         return x.view(n, -1)
 
     def _fetch(self, tok: np.ndarray):
@@ -531,18 +559,22 @@ class CpuPrefill:
         st.index_seconds += t_index
         st.io_seconds += t_io
         if self.trunk is not None:
+            a = time.perf_counter()
             with torch.no_grad():
                 tk = torch.from_numpy(tok.astype(np.int64))
                 ple = self.trunk.ple_inputs(self.per_layer_rows(rows, tok.size), self.trunk.embed(tk))
                 hid = self.trunk(tk, ple)
+            st.trunk_seconds += time.perf_counter() - a
             if collect:
                 outs.append((ple.clone(), hid.clone()))
         elif collect:       # torch when it is installed, like the trunk's outputs
             outs.append((_as_torch(rows), None))
 
     def _result(self, wall, tokens, outs, collect) -> dict:
-        res = self.stats.as_dict(wall)
-        res.update(pipeline="cpu", graph=False, backend=self.backend, destination="host",
+        trunk = self.stats.trunk_seconds
+        res = self.stats.as_dict(wall, (wall - trunk, trunk, "host clock: the trunk (with the per-layer "
+                                        "projection) timed, the PLE step (waits for reads, dequant) is the rest"))
+        res.update(pipeline="cpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=False, backend=self.backend, destination="host",
                    backend_reason=self.why, how=self.how, ubatch=self.ubatch,
                    ubatches=math.ceil(tokens.size / self.ubatch) if tokens.size else 0)
         if collect:

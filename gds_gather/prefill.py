@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .config import Config
+from .errors import GatherError, TableLayoutError
 from .table import open_table
 from .text import prompt_tokens
 
@@ -29,8 +30,32 @@ def default_model(cfg: Config, progress: bool = True) -> Path:
     return path
 
 
+def per_layer_layout(table) -> tuple[int, int]:
+    """(layers, elements per layer) of a token-indexed table's rows, from the model's metadata:
+    {arch}.block_count and {arch}.embedding_length_per_layer_input (GGUF models, `convert` outputs, and the
+    config.json of a transformers checkpoint); either one is enough when it divides the row."""
+    arch, width = table.arch or "?", table.row_elems
+    n_layer = table.field(f"{arch}.block_count")
+    per = table.field(f"{arch}.embedding_length_per_layer_input")
+    if per is None and n_layer and width % int(n_layer) == 0:
+        per = width // int(n_layer)
+    if n_layer is None and per and width % int(per) == 0:
+        n_layer = width // int(per)
+    if not n_layer or not per:
+        raise TableLayoutError(f"{table.model_path}: no per-layer layout for its {width}-element rows (arch "
+                               f"{arch!r} has no {arch}.block_count or {arch}.embedding_length_per_layer_input); "
+                               "prefill needs the layer count")
+    n_layer, per = int(n_layer), int(per)
+    if n_layer * per != width:
+        raise TableLayoutError(f"{table.model_path}: {n_layer} layers x {per} elements per layer != its rows' "
+                               f"{width} elements")
+    return n_layer, per
+
+
 class RowMapper:
-    """Token ids -> PLE row ids for one model, carrying qwen4exp's n-gram history across ubatches."""
+    """Token ids -> PLE row ids for one model, carrying qwen4exp's n-gram history across ubatches; also the
+    model's per-layer layout: gemma-like tables split each row into n_layer slices of per_layer elements, scaled
+    by row_scale = sqrt(per_layer); qwen4exp's rows are used flat and unscaled."""
 
     def __init__(self, table):
         from .tokenizer import tokenizer_name
@@ -40,17 +65,22 @@ class RowMapper:
         self._meta = table.reader
         # the model's own tokenizer when the first shard carries tokenizer.ggml.tokens, else text.py's word level
         self.tokenizer_name = tokenizer_name(table.reader)    # 'gguf-<tokenizer.ggml.model>' or 'word-level'
-        if self.arch == "qwen4exp":
+        self.gemma = self.arch != "qwen4exp"
+        if not self.gemma:
             from .model import PRESETS, Qwen4expHParams
             self.hp = Qwen4expHParams.from_reader(table.reader)
             n_tok = table.field("tokenizer.ggml.tokens")
             self.n_vocab = len(n_tok) if n_tok else PRESETS["qwen4exp"].n_vocab
             self.reserved = tuple(x for x in (self.hp.eos_token_id, self.hp.image_token_id) if x is not None)
             self.rows_per_token = self.hp.n_heads
+            self.n_layer, self.per_layer, self.row_scale = None, table.row_elems, 1.0
         else:   # gemma4, gemma3n and any token-indexed table: one row per token
             self.n_vocab = table.n_rows
             self.reserved = ()
             self.rows_per_token = 1
+            from .model import ple_scales
+            self.n_layer, self.per_layer = per_layer_layout(table)
+            self.row_scale = ple_scales(1, self.per_layer)[0]        # sqrt(per_layer) as llama.cpp computes it
 
     @functools.cached_property
     def tokenizer(self):
@@ -59,13 +89,20 @@ class RowMapper:
         return GGUFTokenizer.from_reader(self._meta)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        if self.arch == "qwen4exp":
+        if not self.gemma:
             from .model import next_prev, ple_rows
             rows = ple_rows(tokens, self.hp, prev=self.prev)
             self.prev = next_prev(tokens, self.prev, self.hp.ngram_size)
             return rows
         from .model import gemma_row_ids
         return gemma_row_ids(tokens, self.n_rows)     # one row per token; clear error past the table's end
+
+
+def default_trunk(gpu: bool) -> str:
+    """The trunk `prefill` and `bench prefill` run when none is asked for: the preset's real shapes on a GPU
+    (where a prefill's PLE step hides behind a trunk that size), none on the CPU, where the PLE step is the
+    measurement and any synthetic trunk would set the tok/s instead of it."""
+    return "real" if gpu else "none"
 
 
 def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
@@ -75,14 +112,14 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                 drop_caches: bool = False) -> dict:
     """Run the prefill: on the GPU (graph-captured fetch-dequant + trunk) where there is one, else on the CPU.
 
-    trunk: 'real' (the preset's shapes; default on a GPU), 'tiny' (default on the CPU, where real shapes would
-    take minutes per ubatch) or 'none' (CPU only: the PLE fetch alone). collect=True returns each ubatch's
-    per-layer inputs and hidden states under "outputs" (tests); tokens_override replaces the prompt.
-    cold: evict the table file's pages from the page cache first (posix_fadvise; nothing else is touched);
-    drop_caches: instead empty the WHOLE machine's page cache (root; what `--drop-caches` asks for).
+    trunk: 'real' (the preset's shapes), 'tiny' or 'none' (CPU only: the PLE step alone); default_trunk says
+    which runs when None. collect=True returns each ubatch's per-layer inputs and hidden states under "outputs"
+    (tests); tokens_override replaces the prompt. cold: evict the table file's pages from the page cache first
+    (posix_fadvise; nothing else is touched); drop_caches: instead empty the WHOLE machine's page cache (root).
     """
     from . import measure
-    from .pipeline import CpuPrefill, GpuPrefill
+    from .measure import fit
+    from .pipeline import CpuPrefill, GpuPrefill, trunk_label
     from .platform import detect
     cfg = cfg or Config.from_env()
     if cache is not None:
@@ -92,12 +129,12 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     path = Path(model) if model else default_model(cfg, progress)
     plat = detect(cfg.platform)
     gpu = plat.kind != "cpu"
-    if trunk is None:
+    trunk = trunk or default_trunk(gpu)
+    if trunk != "none" and not gpu:
         import importlib.util
-        trunk = "real" if gpu else ("tiny" if importlib.util.find_spec("torch") else "none")
-        if trunk == "none" and log:
-            log("note      torch is not installed: the PLE fetch and dequantization only "
-                "(pip install 'gds-gather[torch]' adds the synthetic trunk)")
+        if importlib.util.find_spec("torch") is None:
+            raise GatherError(f"--trunk {trunk} needs torch (pip install 'gds-gather[torch]'); --trunk none runs "
+                              "the PLE step alone")
     with open_table(path, config=cfg) as t:
         mapper = RowMapper(t)
         tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
@@ -117,18 +154,19 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             pipe = CpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, seed=seed, trunk=trunk, config=cfg)
         n_ub = -(-tokens.size // ubatch)
         if log:
-            log(f"model     {path} ({t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x {t.row_bytes} B)")
+            log(f"model     {path}")
+            log(f"table     {t.arch or '?'}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes} B = "
+                f"{t.n_bytes / 2**20:,.1f} MiB" + (f"; {mapper.n_layer} layers x {mapper.per_layer} per layer"
+                                                   if mapper.gemma else ""))
             log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
-                f"tokenizer {mapper.tokenizer_name}), "
-                f"{n_ub} ubatches of {ubatch}"
-                f"{(', system page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
+                f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatches of {ubatch}"
+                f"{(', page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
-            log("pipeline  " + (f"GPU, {'CUDA graph per (ubatch size, slot)' if pipe.graph else 'eager'} ({pipe.graph_why}), "
-                                 f"{pipe.how}, trunk {trunk} ({dtype})" if gpu else
-                                 "CPU (no GPU here): read -> gguf dequantize -> " +
-                                 (f"torch CPU trunk ({trunk})" if trunk != "none" else "no trunk (the PLE fetch only)")
-                                 + ", no graph"))
+            log("pipeline  " + (f"GPU, {'CUDA graph per (ubatch size, slot)' if pipe.graph else 'eager'} "
+                                f"({pipe.graph_why}), {pipe.how}, {dtype}" if gpu else
+                                "CPU (no GPU here): read -> gguf dequantize -> per-layer inputs, no graph"))
+            log(fit(f"trunk     {trunk_label(pipe.trunk, trunk)}", " " * 10))
         if pipe.backend == "resident" and not gpu:     # resident = in memory before the clock: load it untimed
             t.read_plan(t.plan(np.zeros(1, np.int64)), "resident")
         try:
@@ -140,34 +178,76 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         finally:
             pipe.close()
         growth = measure.resident_bytes(t.path) - cache0
-        useful = res["useful_bytes"]
-        res.update(bytes_delivered=got["delivered_bytes"], bytes_device=got["device_bytes"],
-                   delivered_method=got["delivered_method"], device_method=got["device_method"],
-                   ampl_requested=res["bytes_read"] / useful if useful else None,
-                   ampl_delivered=got["delivered_bytes"] / useful if useful and got["delivered_bytes"] is not None
-                   else None)
-        res.update(model=str(path), arch=t.arch, qtype=t.qtype.name, cold=cold, trunk=trunk,
-                   tokenizer=mapper.tokenizer_name,
-                   platform=plat.kind, page_cache_growth_bytes=growth)
         res.update(t.stats())       # rows from the row cache / page cache / device, hit rate, cache size
         if res.get("cache_where") == "gpu":     # the GPU prefill's device-resident cache (devcache.py)
             res["cache_bytes"] += res["device_cache_bytes"]
+        # rows the file had to supply: the unique rows of each ubatch less the row cache's hits; direct says
+        # which of them the page cache held and which the device read
+        rb, dl = t.row_bytes, got["delivered_bytes"]
+        from_file = max(res["unique_rows"] - res["rows_from_cache"], 0)
+        known = res["rows_buffered"] == 0
+        storage_rows = res["rows_from_device"] if known else from_file
+        basis = (dl if dl is not None else res["bytes_read"])
+        res.update(bytes_needed=from_file * rb, bytes_from_device_rows=storage_rows * rb,
+                   sources_known=known, bytes_requested=res["bytes_read"], bytes_delivered=dl,
+                   bytes_device=got["device_bytes"], delivered_method=got["delivered_method"],
+                   device_method=got["device_method"],
+                   read_amplification=basis / (storage_rows * rb) if storage_rows else None,
+                   amplification_of=("delivered" if dl is not None else "requested") + " / the rows' bytes read "
+                   + ("from the device" if known else "from the file"))
+        res.update(model=str(path), arch=t.arch, qtype=t.qtype.name, table_bytes=t.n_bytes, cold=cold,
+                   trunk_kind=trunk, tokenizer=mapper.tokenizer_name, platform=plat.kind,
+                   page_cache_growth_bytes=growth)
     if log:
-        share = res.get("ple_wait_share")
-        log(f"result    {res['tokens']:,} tokens in {res['seconds']:.3f} s = {res['tok_per_s']:,.0f} tok/s; "
-            f"{res['ple_rows']:,} PLE rows at {res['rows_per_s']:,.0f} rows/s "
-            f"({res['unique_rows']:,} unique after per-ubatch dedup, {res['unique_rows'] / max(res['ple_rows'], 1):.1%})")
-        dl, dv, amp = res["bytes_delivered"], res["bytes_device"], res["ampl_delivered"]
-        log(f"bytes     {res['bytes_read']:,} requested for {res['useful_bytes']:,} useful "
-            f"({res['read_amplification']:.1f}x); delivered {'n/a' if dl is None else f'{dl:,}'} "
-            f"(read amplification {'n/a' if amp is None else f'{amp:.1f}x'}; {res['delivered_method'] or 'no counter'})"
-            f"; device {'n/a' if dv is None else f'{dv:,}'} ({res['device_method'] or 'no block device'}); "
-            f"page cache +{growth / 2**20:.1f} MiB")
-        log(f"cache     unique rows: {res['rows_from_cache']:,} from the row cache (hit rate "
-            f"{res['cache_hit_rate']:.1%}), {res['rows_from_page_cache']:,} from the page cache, "
-            f"{res['rows_from_device']:,} from the device; row cache {res['cache_bytes'] / 2**20:.1f} of "
-            f"{res['cache_budget_bytes'] / 2**20:.1f} MiB"
-            + (" (rows in GPU memory, index on the host)" if res.get("cache_where") == "gpu" else ""))
-        log(f"time      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s"
-            + (f"; PLE step (wait + copy + dequant) {share:.1%} of wall time" if share is not None else ""))
+        for line in summary_lines(res):
+            log(fit(line, " " * 10))
     return res
+
+
+def _counter_name(method: str | None) -> str:
+    return (method or "no counter").split(": ")[0]
+
+
+def summary_lines(res: dict) -> list[str]:
+    """The result as lines of at most 120 columns, one figure per line (the README quotes them)."""
+    from .measure import human_bytes
+    wall, ple, trunk = res["seconds"], res["ple_seconds"], res["trunk_seconds"]
+    none = res["trunk_kind"] == "none"
+    split = ("" if ple is None else f": PLE step {ple:.3f} s ({res['ple_share']:.0%}), " +
+             ("no trunk" if none else f"trunk {trunk:.3f} s ({res['trunk_share']:.0%})"))
+    tok = (f"{res['tok_per_s']:,.0f} tok/s of the PLE step alone (no trunk)" if none else
+           f"{res['tok_per_s']:,.0f} tok/s with a synthetic trunk (no model's speed)")
+    lines = [f"result    {res['tokens']:,} tokens in {wall:.3f} s{split}",
+             f"speed     {res['ple_rows_per_s'] or 0:,.0f} PLE rows/s (over the PLE step's time); {tok}",
+             f"rows      {res['ple_rows']:,} PLE rows, {res['unique_rows']:,} unique after per-ubatch dedup "
+             f"({res['unique_rows'] / max(res['ple_rows'], 1):.1%})"]
+    src = f"sources   {res['rows_from_cache']:,} from the row cache (hit rate {res['cache_hit_rate']:.1%}), "
+    lines.append(src + (f"{res['rows_from_page_cache']:,} from the page cache, {res['rows_from_device']:,} from "
+                        "the device" if res["sources_known"] else
+                        f"{res['rows_buffered']:,} from the file (page cache or device: this backend cannot tell)"))
+    needed, req, dl, dv = res["bytes_needed"], res["bytes_requested"], res["bytes_delivered"], res["bytes_device"]
+    amp = res["read_amplification"]
+    lines.append(f"needed    {needed:,} B of rows from the file, {res['bytes_from_device_rows']:,} B of them "
+                 + ("from the device" if res["sources_known"] else "from the page cache or the device"))
+    lines.append(f"requested {req:,} B asked of the file (aligned windows, or exact rows for buffered reads)")
+    lines.append(f"delivered {'n/a' if dl is None else f'{dl:,} B'} by storage "
+                 f"({_counter_name(res['delivered_method'])}, this process)")
+    lines.append("amplif.   " + (f"{amp:.1f}x = {res['amplification_of']}" if amp is not None else
+                                 "n/a: no rows were read from the device"))
+    lines.append(f"device    {'n/a' if dv is None else f'{dv:,} B'} read by "
+                 f"{_counter_name(res['device_method'])} (the whole device, every process)")
+    table = res["table_bytes"]
+    if req > table:
+        lines.append(f"note      requested exceeds the {human_bytes(table)} table: each ubatch asks for its own rows "
+                     "or blocks, and one")
+        lines.append("          that several ubatches need is read by each of them (the row cache keeps rows, "
+                     "within its budget)")
+    if dl is not None and dl > req + max(req // 20, 1 << 20):
+        lines.append(f"note      delivered includes {dl - req:,} B beyond the requests: other files this process "
+                     "read (imports, the prompt)")
+    where = " in GPU memory" if res.get("cache_where") == "gpu" else ""
+    lines.append(f"cache     row cache {human_bytes(res['cache_bytes'])} of {human_bytes(res['cache_budget_bytes'])}"
+                 f"{where}; the table's page cache {res['page_cache_growth_bytes'] / 2**20:+.1f} MiB")
+    lines.append(f"host      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s "
+                 "(the next ubatch's, during this one's)")
+    return lines

@@ -89,6 +89,7 @@ def default_threads(config: Config) -> int:
 
 class Reader:
     name = "?"
+    tells_source = False     # whether its rows_from_* counters say where rows came from (O_DIRECT readers do)
 
     def __init__(self, path: Path, data_offset: int, n_bytes: int, *, config: Config | None = None,
                  file_id: tuple | None = None):
@@ -390,6 +391,7 @@ class _FdReader(Reader):
             try:
                 self.fd = os.open(self.path, flags | os.O_DIRECT)
                 self.odirect = True
+                self.tells_source = True     # O_DIRECT: a row not copied from the page cache came from the device
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
                     raise

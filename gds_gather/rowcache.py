@@ -517,14 +517,19 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
 
 def _count_reader(io: dict, reader, pc0: int, n: int) -> int:
     """Count n rows a reader delivered into io: those it copied from the page cache (its rows_from_page_cache
-    counter, pc0 before the read) and the rest from the device; returns the former."""
+    counter, pc0 before the read) and the rest from the device; returns the former. A buffered reader cannot
+    tell the two apart: its rows count as rows_buffered."""
+    if not reader.tells_source:
+        io["rows_buffered"] += n
+        return 0
     pc = getattr(reader, "rows_from_page_cache", 0) - pc0
     io["rows_from_page_cache"] += pc
     io["rows_from_device"] += n - pc
     return pc
 
 
-IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "cache_hits", "cache_misses")
+IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "rows_buffered", "cache_hits",
+               "cache_misses")
 
 
 def _key(table, budget: int) -> tuple:

@@ -209,7 +209,7 @@ class Table:
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
-        cache_hits, cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache
+        rows_buffered (a buffered reader's: page cache or device, it cannot tell), cache_hits, cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache
         holds now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
         return rowcache.table_stats(self)
 

@@ -1,7 +1,9 @@
 """Shared fixtures: tables written independently with gguf.GGUFWriter in llama.cpp's layout."""
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
 
 import numpy as np
 import pytest
@@ -11,6 +13,10 @@ from gguf import quants as gq
 Q = GGMLQuantizationType
 QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
 PLE = "per_layer_token_embd.weight"
+
+# Tests write only in temporary directories: the default cache directory (built models, bench outputs) goes to
+# one. Set before gds_gather is imported (Config's default cache_dir reads it then).
+os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="gds-gather-tests-"))
 
 
 def _gpu_available() -> bool:

@@ -186,8 +186,10 @@ def test_gather_bench_tiny(tmp_path, capsys):
         # the warm pass ran on a page cache that holds the trace (an untimed buffered pass put it there)
         assert got[("direct", "warm")]["page_cache_before_MiB"] > 0
         assert set(t["ratios"]) == {"cold", "again", "warm"}
-        assert t["ratios"]["cold"]["target"] == 1.0 and t["ratios"]["again"]["vs"] == "mmap"
-    assert "ns/gather" in out and "ratios (median rows/s):" in out and "(target >= 0.8)" in out
+        assert t["ratios"]["cold"]["target"] is None and t["ratios"]["again"]["vs"] == "mmap"   # --quick: no targets
+    assert "ns/gather" in out and "ratios (median rows/s):" in out and "(target >=" not in out
+    assert "so no PASS/MISS verdicts" in out and "PASS (target" not in out and "MISS (target" not in out
+    assert all(len(x) <= 120 for x in out.splitlines() if not x.startswith("{")), max(out.splitlines(), key=len)
     assert "cold: direct / best of pread/mmap/readahead" in out
     assert "same table again" in out and "new table, warm page cache" in out
     if res["facts"]["fio"] != "not installed":
@@ -210,7 +212,7 @@ def test_bench_io_wrapper_random_ids_tmpfs(tmp_path, capsys):
     assert {(r["backend"], r["cache"]) for r in t["runs"]} == {("direct", "cold"), ("mmap", "cold"),
                                                                ("direct", "warm"), ("mmap", "warm"),
                                                                ("resident", "warm")}
-    assert "cold: direct / mmap (I/O issue)" in out and "(target >= 3.0)" in out
+    assert "cold: direct / mmap = " in out and "(target >=" not in out     # --quick: no verdicts
     from dataclasses import fields
     from gds_gather.config import Config
     if any(f.name == "cache_bytes" for f in fields(Config)):     # --cache 0 -> Config(cache_bytes=0): no row cache

@@ -42,6 +42,8 @@ def table(tmp_path_factory, ggufs, request):
 class FakeGds:
     """cuFile's stand-in: reads a plan's O_DIRECT windows into the slot's region of the (numpy) pool."""
 
+    tells_source = True      # as GdsReader: every row it delivers came from the file
+
     def __init__(self, direct: DirectReader, pool: np.ndarray, region: int):
         self.direct, self.pool, self.region = direct, pool, region
 

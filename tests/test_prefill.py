@@ -75,7 +75,15 @@ def test_cpu_pipeline_figures(model):
     rb = res["useful_bytes"] // res["unique_rows"]       # rows the row cache served are not read again
     assert res["bytes_read"] >= (res["unique_rows"] - res["rows_from_cache"]) * rb
     assert res["rows_from_cache"] + res["rows_from_page_cache"] + res["rows_from_device"] == res["unique_rows"]
-    assert res["tok_per_s"] > 0 and res["rows_per_s"] > 0 and res["ple_wait_share"] is None
+    assert res["tok_per_s"] > 0 and res["rows_per_s"] > 0
+    # no trunk: the whole wall time is the PLE step's, and the output says the trunk is none
+    assert res["trunk_seconds"] == 0 and res["ple_seconds"] == res["seconds"] and res["ple_share"] == 1.0
+    assert res["trunk_kind"] == "none" and res["trunk"].startswith("none")
+    tiny = run_prefill(model, n_tokens=600, ubatch=200, progress=False, log=None, trunk="tiny")
+    assert tiny["trunk_seconds"] > 0 and tiny["ple_seconds"] > 0
+    assert tiny["ple_seconds"] + tiny["trunk_seconds"] == pytest.approx(tiny["seconds"])
+    assert tiny["ple_share"] + tiny["trunk_share"] == pytest.approx(1.0)
+    assert tiny["trunk"].startswith("synthetic tiny") and "random weights" in tiny["trunk"]
 
 
 def test_cold_evicts_the_table_file_only(model, monkeypatch):

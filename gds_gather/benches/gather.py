@@ -21,8 +21,8 @@ from .. import measure
 from ..config import Config
 from .plot import bars, figure, panel_series
 from .report import (GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, block_device, cold_method,
-                     data_dir, go_cold, human_size, machine_title, median_run, out_dir, print_header, ratio_line,
-                     short_num, write_result)
+                     data_dir, fit, go_cold, human_size, machine_title, median_run, out_dir, print_header, ratio_line,
+                     short_num, target, write_result)
 
 PASSES = ("cold", "again", "warm")
 PASS_TITLE = {"cold": "cold: the file evicted from the page cache, the row cache emptied, a new Table",
@@ -206,11 +206,12 @@ def _x(x) -> str:
 
 
 def gather_line(r: dict) -> str:
+    """Two lines per pass: speed, then bytes and how it ran."""
     return (f"  {r['backend']:<11} {r['cache']:<5} {r['ns_per_gather']:>9,.0f} ns/gather {r['rows_per_s']:>12,.0f} "
-            f"rows/s  MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
-            f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])} (requested {_x(r['ampl_requested'])})"
-            f"  majflt {r['major_faults']:>7,.0f}  page cache +{r['page_cache_growth_MiB']:.1f} MiB"
-            f"  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms   [{r['how']}]")
+            f"rows/s  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms\n"
+            + fit(f"      MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
+                  f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
+                  f"  page cache {r['page_cache_growth_MiB']:+.1f} MiB  [{r['how']}]", " " * 8))
 
 
 def cache_line(rc: dict | None) -> str | None:
@@ -224,7 +225,7 @@ def cache_line(rc: dict | None) -> str | None:
         if isinstance(v, (int, float)) and "bytes" in k:
             return f"{k} {v / MiB:,.1f} MiB"
         return f"{k} {v:,.0f}" if isinstance(v, (int, float)) else f"{k} {v}"
-    return "               row cache: " + ", ".join(fmt(k, v) for k, v in rc.items())
+    return fit("               row cache: " + ", ".join(fmt(k, v) for k, v in rc.items()), " " * 27)
 
 
 def _gpu_stream(backends):
@@ -297,10 +298,10 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
                    table_bytes=t.n_bytes, window=t._typical_window())
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
-    print(f"\n## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
-          f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)")
-    print(f"   trace: {desc}; per backend, interleaved, {a.repeat} round(s) of the passes "
-          f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", flush=True)
+    print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
+                     f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)", "   "))
+    print(fit(f"   trace: {desc}; per backend, interleaved, {a.repeat} round(s) of the passes "
+              f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", "     "), flush=True)
     out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "passes": passes, "runs": [],
            "fio": {}, "fio_warm": None}
     stream = _gpu_stream(backends)
@@ -333,7 +334,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         print(PASS_TITLE[p] + (f" (a copy on {a.tmpfs})" if p == "warm" and a.warm == "tmpfs" else ""), flush=True)
         if p == "cold":
             how = next((r.get("cold_how") for b in backends for r in runs.get((b, p), [])), "")
-            print(f"  went cold by: {how}")
+            print(fit(f"  went cold by: {how}"))
             if "resident" in backends:
                 print("  resident: no cold pass (its first use loads the whole table)")
         for b in backends:
@@ -407,29 +408,29 @@ def _ratios(out: dict, med: dict, geo: dict, a) -> None:
             continue
         best, v = max(have, key=lambda x: x[1])
         name = f"{p}: direct / " + (f"best of {'/'.join(o for o, _ in have)} ({best})" if len(have) > 1 else best)
-        print(ratio_line(name, d["rows_per_s"], v, tgt))
-        out["ratios"][p] = {"vs": best, "ratio": d["rows_per_s"] / v, "target": tgt}
+        print(ratio_line(name, d["rows_per_s"], v, target(a, tgt)))
+        out["ratios"][p] = {"vs": best, "ratio": d["rows_per_s"] / v, "target": target(a, tgt)}
     d = med.get(("direct", "cold"))
     for bs in sorted({4096, geo["window"]}):
         f = out["fio"].get(f"cold_{bs}") or {}
         if d and f.get("iops"):
-            tgt = 0.9 if a.targets and bs == 4096 else None
+            tgt = target(a, 0.9) if a.targets and bs == 4096 else None
             reads = d["windows"] / d["seconds"]           # direct submits one read per window
-            print(ratio_line(f"cold: direct rows/s / fio {_bs_name(bs)} IOPS", d["rows_per_s"], f["iops"], tgt)
-                  + f";  direct's reads/s {reads:,.0f} = {reads / f['iops']:.2f}x, its MiB/s requested "
-                    f"{d['read_MiB_s']:,.0f} = {d['read_MiB_s'] / f['bw_MiBps']:.2f}x fio's")
+            print(ratio_line(f"cold: direct rows/s / fio {_bs_name(bs)} IOPS", d["rows_per_s"], f["iops"], tgt,
+                             f";  direct's reads/s {reads:,.0f} = {reads / f['iops']:.2f}x, its MiB/s requested "
+                             f"{d['read_MiB_s']:,.0f} = {d['read_MiB_s'] / f['bw_MiBps']:.2f}x fio's"))
     if d and a.targets:
         for other, tgt in (("mmap", 3.0), ("pread", 1.3)):
             if (other, "cold") in med:
-                print(ratio_line(f"cold: direct / {other} (I/O issue)", d["rows_per_s"],
-                                 med[(other, "cold")]["rows_per_s"], tgt))
+                print(ratio_line(f"cold: direct / {other}", d["rows_per_s"], med[(other, "cold")]["rows_per_s"],
+                                 target(a, tgt)))
     for dev in ("gpu:direct", "gpu:gds"):
         if (dev, "cold") in med and d:
             print(ratio_line(f"cold: {dev} / direct (host)", med[(dev, "cold")]["rows_per_s"], d["rows_per_s"]))
     w, f = med.get(("direct", "warm")), out.get("fio_warm") or {}
     if w and f.get("iops"):
         print(ratio_line(f"warm: direct / fio psync 4k {f['jobs']} job(s)", w["rows_per_s"], f["iops"],
-                         0.7 if a.targets else None))
+                         target(a, 0.7) if a.targets else None))
     if ("resident", "warm") in med and w:
         print(ratio_line("warm: direct / resident", w["rows_per_s"], med[("resident", "warm")]["rows_per_s"]))
 
@@ -480,12 +481,12 @@ def run_gather(a, cfg: Config) -> dict:
             else:
                 raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
     facts = bench_facts(tables[0][1], cfg)
-    print_header("gather", facts, [cold_method(a), cache_note])
-    print(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median rows/s); "
-          f"MiB requested = what the readers asked for, delivered = {facts['delivered_method'] or 'n/a'}, device = "
-          f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
-          f"page faults of this process; page cache = growth of the file's page-cache residency; p50/p99 per "
-          f"gather call", flush=True)
+    print_header("gather", facts, [cold_method(a), cache_note], quick=a.quick)
+    print(fit(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median "
+              f"rows/s); MiB requested = what the readers asked for, delivered = the bytes counter above, device = "
+              f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
+              f"page faults of this process; page cache = growth of the file's page-cache residency; p50/p99 per "
+              f"gather call", "#   "), flush=True)
 
     def facts_line(p):
         from ..storage import filesystem

@@ -8,7 +8,7 @@ from ..config import Config
 from .gather import cache_line, default_backends, empty_row_cache
 from .plot import bars, figure, panel_series
 from .report import (HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold, machine_title,
-                     median, median_run, out_dir, print_header, ratio_line, write_result)
+                     fit, median, median_run, out_dir, print_header, ratio_line, target, write_result)
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help="GGUF model (repeatable; default: the built-in qwen4exp model)")
@@ -20,7 +20,7 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--no-warm", action="store_true")
     p.add_argument("--trunk", choices=("real", "tiny", "none"),
-                   help="synthetic trunk (default: none on the CPU, i.e. the PLE fetch + dequant alone; real on a GPU)")
+                   help="synthetic trunk, random weights (default: none on the CPU, the PLE step alone; real on a GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--no-graph", action="store_true", help="GPU: run the steps eagerly (no CUDA graph)")
     p.add_argument("--cache", help="row cache budget (e.g. 16M, 0 = off): Config(cache_bytes=...) where this build "
@@ -33,7 +33,7 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
 def run_prefill_bench(a, cfg: Config) -> dict:
     import gds_gather as gg
     from ..platform import detect
-    from ..prefill import default_model, run_prefill
+    from ..prefill import default_model, default_trunk, run_prefill
     q = a.quick
     a.tokens = a.tokens or (2048 if q else 8192)
     a.ubatch = a.ubatch or (1024 if q else 2048)
@@ -42,7 +42,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         raise ValueError("--tokens, --ubatch and --repeat must be >= 1")
     plat = detect(cfg.platform)
     gpu = plat.kind != "cpu"
-    trunk = a.trunk or ("real" if gpu else "none")
+    trunk = a.trunk or default_trunk(gpu)
     if a.backends:
         backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     else:
@@ -54,16 +54,20 @@ def run_prefill_bench(a, cfg: Config) -> dict:
     models = [Path(m) for m in a.model] if a.model else [default_model(cfg, progress=True)]
     with gg.open_table(models[0], config=cfg) as t:
         facts = bench_facts(t.path, cfg)
-    print_header("prefill", facts, [cold_method(a), cache_note])
+    print_header("prefill", facts, [cold_method(a), cache_note], quick=q)
     pipeline = ("GPU pipeline (graph-captured fetch-dequant + trunk)" if gpu and not a.no_graph else
                 "GPU pipeline, eager" if gpu else "CPU pipeline (no GPU here)")
     trunk_note = {"none": "none: the PLE fetch + dequant alone (the CPU default; --trunk tiny|real adds a synthetic "
                           "torch trunk)",
-                  "tiny": "tiny synthetic torch trunk", "real": "synthetic trunk with the real shapes"}[trunk]
-    print(f"# {pipeline}; trunk {trunk_note}; {a.tokens:,} tokens in ubatches of {a.ubatch:,}; backends interleaved "
-          f"{'/'.join(backends)}; one warm-up run each, then {a.repeat} runs per backend cold (the table's file "
-          f"evicted before each run) and warm; tok/s min/median/max; MiB delivered = "
-          f"{facts['delivered_method'] or 'n/a'}; ampl = delivered / useful", flush=True)
+                  "tiny": "tiny synthetic torch trunk, random weights",
+                  "real": "synthetic trunk with the real shapes, random weights"}[trunk]
+    print(fit(f"# {pipeline}; trunk {trunk_note}", "#   "))
+    print(f"# {a.tokens:,} tokens in ubatches of {a.ubatch:,}; backends interleaved {'/'.join(backends)}; one "
+          f"warm-up run each,")
+    print(f"# then {a.repeat} runs per backend cold (the table's file evicted before each run) and warm; tok/s "
+          "min/median/max")
+    print(f"# MiB delivered = {_counter(facts['delivered_method'])}; ampl = delivered / the bytes of the rows read "
+          "from the device", flush=True)
     if "resident" in backends:
         print("# resident: the table is loaded into memory before the clock starts (untimed); the runs time the "
               "prefill alone", flush=True)
@@ -105,8 +109,8 @@ def run_prefill_bench(a, cfg: Config) -> dict:
                 print(f"    {cache} run {rep + 1}/{a.repeat}: "
                       + "  ".join(f"{b} {runs[b][-1]['tok_per_s']:,.0f}" for b in bs) + " tok/s", flush=True)
             if cache == "carried":
-                print("  carried: the table file evicted before each run, the row cache kept from the run before "
-                      "(the same prompt again in one process)")
+                print(fit("  carried: the table file evicted before each run, the row cache kept from the run "
+                          "before (the same prompt again in one process)"))
             for b in bs:
                 tok = [r["tok_per_s"] for r in runs[b]]
                 mid = median_run(runs[b], "tok_per_s")
@@ -114,18 +118,19 @@ def run_prefill_bench(a, cfg: Config) -> dict:
                      "tok_per_s_max": max(tok), "tok_per_s_all": tok, "rows_per_s": mid["rows_per_s"],
                      "useful_bytes": mid["useful_bytes"], "bytes_requested": mid["bytes_read"],
                      "bytes_delivered": mid.get("bytes_delivered"), "bytes_device": mid.get("bytes_device"),
-                     "ampl_delivered": mid.get("ampl_delivered"), "ampl_requested": mid.get("ampl_requested"),
-                     "read_amplification": mid["read_amplification"],
+                     "read_amplification": mid["read_amplification"], "amplification_of": mid["amplification_of"],
+                     "ple_seconds": mid["ple_seconds"], "trunk_seconds": mid["trunk_seconds"],
                      "page_cache_growth_MiB": mid["page_cache_growth_bytes"] / MiB, "ple_rows": mid["ple_rows"],
                      "unique_rows": mid["unique_rows"], "io_seconds": mid["io_seconds"], "how": mid["how"],
                      "pipeline": mid["pipeline"], "row_cache": row_cache_fields(mid)}
                 m["runs"].append(s)
                 print(f"  {b:<10} {cache:<7} tok/s  min {s['tok_per_s_min']:>10,.0f}  "
-                      f"median {s['tok_per_s_median']:>10,.0f}"
-                      f"  max {s['tok_per_s_max']:>10,.0f}   PLE rows/s {s['rows_per_s']:>11,.0f}  MiB requested "
-                      f"{_mib(s['bytes_requested'])} delivered {_mib(s['bytes_delivered'])} device "
-                      f"{_mib(s['bytes_device'])}  ampl {_x(s['ampl_delivered'])} (requested {_x(s['ampl_requested'])})"
-                      f"  page cache +{s['page_cache_growth_MiB']:.1f} MiB   [{s['how']}]", flush=True)
+                      f"median {s['tok_per_s_median']:>10,.0f}  max {s['tok_per_s_max']:>10,.0f}   "
+                      f"PLE rows/s {s['rows_per_s']:>11,.0f}", flush=True)
+                print(f"    MiB requested {_mib(s['bytes_requested'])} delivered {_mib(s['bytes_delivered'])} "
+                      f"device {_mib(s['bytes_device'])}  ampl {_x(s['read_amplification'])}  "
+                      f"page cache {s['page_cache_growth_MiB']:+.1f} MiB", flush=True)
+                print(f"    how: {s['how']}", flush=True)
                 line = cache_line(s["row_cache"])
                 if line:
                     print(line)
@@ -140,14 +145,14 @@ def run_prefill_bench(a, cfg: Config) -> dict:
                     + (f"{budget / MiB:,.1f} MiB" if isinstance(budget, (int, float)) else cache_note.split(": ", 1)[1])
                     + f" for a {table_bytes / MiB:,.1f} MiB table]")
             print(ratio_line("direct cold (row cache empty at the start) / resident (in memory before the clock)",
-                             get[("direct", "cold")], resident, 0.9) + note)
+                             get[("direct", "cold")], resident, target(a, 0.9), note))
             if ("direct", "carried") in get:
                 print(ratio_line("direct cold, row cache carried from the previous prompt of this process / "
-                                 "resident", get[("direct", "carried")], resident, 0.9) + note)
+                                 "resident", get[("direct", "carried")], resident, target(a, 0.9), note))
             _storage_bound(table_path, m["runs"], a, get[("direct", "cold")], resident)
         for cache in series:
-            for other in ("mmap", "pread", "resident"):
-                if ("direct", cache) in get and (other, cache) in get and other != "direct":
+            for other in ("mmap", "pread") + (() if resident else ("resident",)):   # resident: printed above
+                if ("direct", cache) in get and (other, cache) in get:
                     print(ratio_line(f"direct / {other} ({cache})", get[("direct", cache)], get[(other, cache)]))
         if a.targets and ("direct", "cold") in get:
             m["targets"] = _prefill_targets(table_path, get, m["runs"], a)
@@ -164,9 +169,9 @@ def _storage_bound(path, runs: list, a, direct: float, resident: float) -> None:
         return
     per_tok = dev / max(1, a.tokens)
     iops = dev / cold["io_seconds"]
-    print(f"  bound: a cold run with an empty row cache reads {per_tok:.2f} rows per token from the device; at the "
+    print(fit(f"  bound: a cold run with an empty row cache reads {per_tok:.2f} rows per token from the device; at the "
           f"{iops:,.0f} rows/s direct's reads reached here that alone allows {iops / per_tok:,.0f} tok/s "
-          f"= {iops / per_tok / resident:.2f}x resident (direct cold reached {direct / resident:.2f}x)")
+          f"= {iops / per_tok / resident:.2f}x resident (direct cold reached {direct / resident:.2f}x)"))
 
 
 def row_cache_fields(res: dict) -> dict | None:
@@ -178,6 +183,10 @@ def row_cache_fields(res: dict) -> dict | None:
         if isinstance(res.get(k), dict):
             out.update(res[k])
     return out or None
+
+
+def _counter(method) -> str:
+    return (method or "n/a").split(": ")[0]
 
 
 def _mib(x) -> str:
@@ -206,9 +215,9 @@ def _prefill_targets(path, get: dict, runs: list, a) -> dict:
               f"= {bound:,.0f}")
     limits = [x for x in (resident, bound) if x]
     if limits:
-        print(ratio_line("direct cold / min(resident, storage-bound)", d, min(limits), 0.9))
+        print(ratio_line("direct cold / min(resident, storage-bound)", d, min(limits), target(a, 0.9)))
     if ("mmap", "cold") in get:
-        print(ratio_line("direct cold / mmap cold", d, get[("mmap", "cold")], 3.0))
+        print(ratio_line("direct cold / mmap cold", d, get[("mmap", "cold")], target(a, 3.0)))
     for cache in ("cold", "warm"):
         if ("direct:nograph", cache) in get:
             print(ratio_line(f"graph / no-graph ({cache})", get[("direct", cache)], get[("direct:nograph", cache)]))

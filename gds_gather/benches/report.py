@@ -7,12 +7,14 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from .. import measure
+from ..measure import fit
 from ..config import Config
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -175,20 +177,24 @@ def apply_cache_option(cfg: Config, cache) -> tuple[Config, str]:
                                                " (GDS_GATHER_CACHE_BYTES or the default)")
 
 
-def print_header(name: str, f: dict, extra=()) -> None:
-    print(f"# gds-gather bench {name}")
-    print(f"# machine  {f['cpu']}, {f['cores']} cores, {f['mem_GiB']} GiB RAM, Linux {f['kernel']}, "
-          f"Python {f['python']}, numpy {f['numpy']}")
-    print(f"# gpu      {f['gpu']}; platform {f['platform']} ({f['platform_reason']}); driver {f['driver']}; "
-          f"GDS {f['gds']}")
-    print(f"# storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
-          f"{f['logical_block']} B logical blocks")
-    print(f"# bytes    delivered = {f.get('delivered_method') or 'n/a (no /proc/self/io here)'}; device = "
-          f"{f.get('device_method') or 'n/a (no block device under the file: tmpfs, overlay or network)'}")
-    for line in extra:
-        if line:
-            print(f"# {line}")
-    print(f"# tools    fio: {f['fio']}", flush=True)
+def print_header(name: str, f: dict, extra=(), quick: bool = False) -> None:
+    lines = [f"gds-gather bench {name}"]
+    if quick:
+        lines.append("quick    a smoke run: tiny tables, short runs; they do not measure the device, so no "
+                     "PASS/MISS verdicts")
+    lines += [f"machine  {f['cpu']}, {f['cores']} cores, {f['mem_GiB']} GiB RAM, Linux {f['kernel']}, "
+              f"Python {f['python']}, numpy {f['numpy']}",
+              f"gpu      {f['gpu']}; driver {f['driver']}; GDS {f['gds']}",
+              f"platform {f['platform']}: {f['platform_reason']}",
+              f"storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
+              f"{f['logical_block']} B logical blocks",
+              f"bytes    delivered = {f.get('delivered_method') or 'n/a (no /proc/self/io here)'}",
+              f"bytes    device = {f.get('device_method') or 'n/a (no block device under the file: tmpfs, overlay or network)'}"]
+    lines += [line for line in extra if line]
+    lines.append(f"tools    fio: {f['fio']}")
+    for line in lines:
+        print(fit("# " + line, "#          "))
+    sys.stdout.flush()
 
 
 def machine_title(f: dict) -> str:
@@ -227,12 +233,17 @@ def median_run(runs: list[dict], key: str) -> dict:
     return best
 
 
-def ratio_line(name: str, a, b, target=None) -> str:
+def target(a, value):
+    """A ratio's target, or None under --quick (a smoke run's figures say nothing about the device)."""
+    return None if getattr(a, "quick", False) else value
+
+
+def ratio_line(name: str, a, b, target=None, note: str = "") -> str:
     if not a or not b:
-        return f"  {name}: n/a"
+        return fit(f"  {name}: n/a")
     x = a / b
     verdict = "" if target is None else ("  PASS" if x >= target else "  MISS") + f" (target >= {target})"
-    return f"  {name} = {x:.2f}x{verdict}"
+    return fit(f"  {name} = {x:.2f}x{verdict}{note}")
 
 
 def jsonable(x):

@@ -14,8 +14,8 @@ import numpy as np
 from .. import measure
 from ..config import Config
 from .plot import bars, figure
-from .report import (GiB, KiB, MiB, bench_facts, cold_method, data_dir, go_cold, human_size, machine_title,
-                     median_run, out_dir, parse_size, print_header, write_result)
+from .report import (GiB, KiB, MiB, bench_facts, cold_method, data_dir, fit, go_cold, human_size,
+                     machine_title, median_run, out_dir, parse_size, print_header, write_result)
 
 XFER = {"gpu-direct": "GPUD", "cpu-gpu": "CPU_GPU", "cpu": "CPUONLY"}
 STORAGE_PATHS = ("gpu-direct", "cpu-gpu", "cpu")
@@ -313,12 +313,12 @@ def run_storage(a, cfg: Config) -> dict:
     path = Path(a.file) if a.file else storage_file(data_dir(a, cfg), size)
     file_bytes = os.path.getsize(path)
     facts = bench_facts(path, cfg)
-    print_header("storage", facts, [cold_method(a) if a.cold else ""])
+    print_header("storage", facts, [cold_method(a) if a.cold else ""], quick=a.quick)
     plat = detect(cfg.platform)
     skipped = {}
     if plat.kind == "cpu":
         for x in ("gpu-direct", "cpu-gpu"):
-            skipped[x] = f"no usable GPU (platform cpu: {plat.reason})"
+            skipped[x] = "no usable GPU (platform cpu, see the header)"
     else:
         if plat.kind == "rocm":
             skipped["gpu-direct"] = "cuFile/KvikIO is NVIDIA only (platform rocm)"
@@ -331,16 +331,17 @@ def run_storage(a, cfg: Config) -> dict:
                 print(COMPAT_BANNER)
                 print(f"  ({why})")
     how = f"{seconds:g} s" if not nbytes else f"{human_size(nbytes)}"
-    print(f"# {file_bytes / GiB:.2f} GiB file; {'random' if a.pattern == 'rand' else 'sequential'} reads; "
-          f"threads {a.threads}; QD {a.qd}; {repeat} timed runs of {how} per configuration after {warmup:g} s of "
-          f"warm-up, median shown; {'cold (page cache emptied before each run)' if a.cold else 'page cache as it is'}",
+    print(fit(f"# {file_bytes / GiB:.2f} GiB file; {'random' if a.pattern == 'rand' else 'sequential'} reads; "
+              f"threads {a.threads}; QD {a.qd}; {repeat} timed runs of {how} per configuration after {warmup:g} s of "
+              f"warm-up, median shown; "
+              f"{'cold (page cache emptied before each run)' if a.cold else 'page cache as it is'}", "#   "),
           flush=True)
     result = {"bench": "storage", "facts": facts, "file": str(path), "file_bytes": file_bytes, "pattern": a.pattern,
               "threads": a.threads, "qd": a.qd, "seconds": seconds, "bytes_per_run": nbytes, "repeat": repeat,
               "cold": a.cold, "results": [], "skipped": []}
     for x in paths:
         if x in skipped:
-            print(f"XferType: {XFER[x]} ({x}): skipped: {skipped[x]}")
+            print(fit(f"XferType: {XFER[x]} ({x}): skipped: {skipped[x]}"))
             result["skipped"].append({"path": x, "why": skipped[x]})
             continue
         for io in io_sizes:
@@ -364,8 +365,9 @@ def run_storage(a, cfg: Config) -> dict:
             result["results"].append(c)
             each = " ".join(f"{r['gib_s']:.2f}" for r in runs)
             m = c["median"]
-            print(gdsio_line(c) + f" delivered: {_mib(m['bytes_delivered'])} MiB, device: {_mib(m['bytes_device'])} MiB"
-                  f"   [runs {each} GiB/s; {', '.join(runs[0]['notes'])}]", flush=True)
+            print(gdsio_line(c), flush=True)      # gdsio's own line, verbatim: tools that parse gdsio's output read it
+            print(fit(f"    delivered: {_mib(m['bytes_delivered'])} MiB, device: {_mib(m['bytes_device'])} MiB   "
+                      f"[runs {each} GiB/s; {', '.join(runs[0]['notes'])}]", "      "), flush=True)
     return write_result("storage", result, a, out_dir(a, cfg), _plot_storage)
 
 
