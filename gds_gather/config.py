@@ -10,7 +10,7 @@ ENV_PREFIX = "GDS_GATHER_"
 _MAX_ALIGN = 1 << 20            # O_DIRECT alignment above 1 MiB is no device's block size
 # bounds of the integer settings: queue depth is an io_uring's entries (1..4096); 0 threads = 2 x cores
 _INT_RANGES = {"max_gap": (0, 1 << 40), "max_window": (0, 1 << 40), "threads": (0, 1024), "queue_depth": (1, 4096)}
-_INT_RANGES.update(cache_bytes=(-1, 1 << 50), page_cache_reads=(0, 1), queue_depth_max=(1, 4096))
+_INT_RANGES.update(cache_bytes=(-1, 1 << 50), page_cache_reads=(0, 1), hot_rows=(0, 1), queue_depth_max=(1, 4096))
 
 
 def _default_cache_dir() -> Path:
@@ -39,6 +39,8 @@ class Config:
     #                             file; -1 = auto: 10% of the table, at most 256 MiB; 0 = no cache (see rowcache.py)
     page_cache_reads: int = 1   # GDS_GATHER_PAGE_CACHE_READS: direct copies rows the page cache holds (mincore) and
     #                             reads only the rest O_DIRECT; 0 = everything O_DIRECT
+    hot_rows: int = 1           # GDS_GATHER_HOT_ROWS: the row cache's rows saved in cache_dir/hot when a Table closes
+    #                             and at exit, read by the next process (hotrows.py); 0 = off
     queue_depth_max: int = 512  # GDS_GATHER_QUEUE_DEPTH_MAX: wide rows: QD = queue_depth x (window / 4 KiB), up to this
 
     def __post_init__(self) -> None:

@@ -124,6 +124,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     cfg = cfg or Config.from_env()
     if cache is not None:
         cfg = cfg.with_(cache_bytes=cache)       # row cache budget in bytes (-1 auto, 0 off)
+    if cold or drop_caches:
+        cfg = cfg.with_(hot_rows=0)              # cold: no rows from an earlier process either (hotrows.py)
     if ubatch <= 0:
         raise ValueError(f"--ubatch must be > 0, got {ubatch}")
     path = Path(model) if model else default_model(cfg, progress)
@@ -248,6 +250,9 @@ def summary_lines(res: dict) -> list[str]:
     where = " in GPU memory" if res.get("cache_where") == "gpu" else ""
     lines.append(f"cache     row cache {human_bytes(res['cache_bytes'])} of {human_bytes(res['cache_budget_bytes'])}"
                  f"{where}; the table's page cache {res['page_cache_growth_bytes'] / 2**20:+.1f} MiB")
+    hot = res.get("hot_rows_file")
+    lines.append("hot rows  " + (f"{res['hot_rows_loaded']:,} read at start from {hot}, written back at close" if hot
+                                 else "off (--cold, GDS_GATHER_HOT_ROWS=0 or no row cache)"))
     lines.append(f"host      reads {res['io_seconds']:.3f} s, row ids + plans {res['index_seconds']:.3f} s "
                  "(the next ubatch's, during this one's)")
     return lines

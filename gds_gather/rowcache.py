@@ -19,6 +19,7 @@ never meets a stale row (the table refuses it and its cache is dropped).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import threading
@@ -26,7 +27,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import forksafe
+from . import forksafe, hotrows
 from .planner import replan
 from .storage import close_mapping
 
@@ -214,6 +215,7 @@ class RowCache:
         self._mark = np.zeros(C, np.uint8)
         self._faulted = 0                               # bytes of the row mapping prefault() populated
         self.hits = self.misses = self.admitted = self.evicted = 0
+        self.hot, self.hot_loaded, self.hot_saved = None, 0, 0      # hot-row file (cache_for sets them)
 
     @property
     def nbytes(self) -> int:
@@ -345,6 +347,33 @@ class RowCache:
                 return
             self._faulted = max(self._faulted, hi)
 
+    def snapshot(self):
+        """(row ids, access counts, row bytes) of every cached row, copies; None for an index-only cache."""
+        with self.lock:
+            if self._dirty or not self.data.shape[0]:
+                return None
+            n = self.n_used
+            return self.slot_row[:n].copy(), self.slot_freq[:n].copy(), self.data[:n].copy()
+
+    def restore(self, ids: np.ndarray, freq: np.ndarray, rows: np.ndarray) -> int:
+        """Fill an empty cache with saved rows (distinct ids, checked by hotrows.load) in slots 0..n-1, their
+        access counts kept; returns how many it took (none when the cache already holds rows)."""
+        with self.lock:
+            if self._dirty:
+                self._empty()
+            if self.n_used or not self.data.shape[0]:
+                return 0
+            n = min(int(ids.shape[0]), self.capacity)
+            self._dirty = True                  # interrupted half way: emptied before the next use
+            self.data[:n] = rows[:n]
+            self.slot_row[:n] = ids[:n]
+            self.slot_freq[:n] = freq[:n]
+            self.index.insert(np.ascontiguousarray(ids[:n], np.int64), np.arange(n, dtype=np.int64))
+            self.n_used = n
+            self.gen += 1
+            self._dirty = False
+            return n
+
     def clear(self) -> None:
         with self.lock:
             self._empty()
@@ -399,7 +428,31 @@ def cache_for(table) -> RowCache | None:
         while len(_CACHES) > MAX_FILES:
             _CACHES.popitem(last=False)[1].close()
         log.info("%s: row cache of %d rows (%d bytes budget)", table.path.name, c.capacity, budget)
+        c.hot = hotrows.Target.of(table) if table.config.hot_rows else None
+        if c.hot is not None:
+            got = hotrows.load(c.hot, c.capacity)
+            c.hot_loaded = c.restore(*got) if got else 0
+            c.hot_saved = c.gen            # what is on disk now
         return c
+
+
+def save_hot(table=None) -> None:
+    """Write the hot rows of this table's file (every file's, without a table) where they changed since they
+    were read or last written (hotrows.py). Called when a Table closes and at exit."""
+    if table is None:
+        with _CACHES_LOCK:
+            caches = list(_CACHES.values())
+    else:
+        caches = [c for c in [_existing(table)] if c]
+    for c in caches:
+        if getattr(c, "hot", None) is None or c.gen == c.hot_saved:
+            continue
+        gen, snap = c.gen, c.snapshot()
+        if snap is not None and hotrows.save(c.hot, *snap) is not None:
+            c.hot_saved = gen
+
+
+atexit.register(save_hot)
 
 
 def forget(table) -> None:
@@ -557,6 +610,9 @@ def table_stats(table) -> dict:
     io = dict(table._io)
     caches = [c for c in [_existing(table)] + [getattr(s, "cache", None) for s in table._sinks.values()] if c]
     looked = io["cache_hits"] + io["cache_misses"]
+    main = _existing(table)
+    io.update(hot_rows_loaded=main.hot_loaded if main else 0,
+              hot_rows_file=str(hotrows.path_for(main.hot)) if main and main.hot else None)
     io.update(cache_hit_rate=io["cache_hits"] / looked if looked else 0.0,
               cache_bytes=sum(c.nbytes for c in caches),
               cache_budget_bytes=budget_for(table.config.cache_bytes, table.n_bytes),

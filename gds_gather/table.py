@@ -288,6 +288,8 @@ class Table:
     # -- lifetime --------------------------------------------------------------------------------------------
     @_locked
     def close(self) -> None:
+        if not self.closed:
+            rowcache.save_hot(self)     # the next process starts with this one's hot rows (hotrows.py)
         self._fin()
         self._meta = None
         self.closed = True

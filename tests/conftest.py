@@ -14,9 +14,11 @@ Q = GGMLQuantizationType
 QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
 PLE = "per_layer_token_embd.weight"
 
-# Tests write only in temporary directories: the default cache directory (built models, bench outputs) goes to
-# one. Set before gds_gather is imported (Config's default cache_dir reads it then).
+# Tests write only in temporary directories: the default cache directory (built models, bench outputs, hot-row
+# files) goes to one, and the hot-row files are off unless a test turns them on (they would carry one test's row
+# cache into the next process's). Set before gds_gather is imported (Config's default cache_dir reads it then).
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="gds-gather-tests-"))
+os.environ.setdefault("GDS_GATHER_HOT_ROWS", "0")
 
 
 def _gpu_available() -> bool:

@@ -199,7 +199,7 @@ def test_readme_output(tmp_path):
     text = README.read_text()
     block = re.search(r"<!-- prefill output -->\n```\n(.*?)```", text, re.S)
     assert block, "the README's quoted prefill output block is missing"
-    env = {**os.environ, "GDS_GATHER_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "GDS_GATHER_CACHE_DIR": str(tmp_path), "GDS_GATHER_HOT_ROWS": "1"}   # a user's default
     r = subprocess.run([sys.executable, "-m", "gds_gather.cli", "prefill", "--tokens", "2048"], capture_output=True,
                        text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr

@@ -463,7 +463,8 @@ def run_gather(a, cfg: Config) -> dict:
         a.qd = cfg.queue_depth
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
-    cfg, cache_note = apply_cache_option(cfg.with_(queue_depth=a.qd), a.cache)
+    # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
+    cfg, cache_note = apply_cache_option(cfg.with_(queue_depth=a.qd, hot_rows=0), a.cache)
     made = data_dir(a, cfg)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else default_backends(cfg)
     for b in backends:

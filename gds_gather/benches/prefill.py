@@ -50,7 +50,8 @@ def run_prefill_bench(a, cfg: Config) -> dict:
     if a.targets:
         backends = list(dict.fromkeys(["direct", "mmap", "resident"] + backends
                                       + (["direct:nograph"] if gpu and not a.no_graph else [])))
-    cfg, cache_note = apply_cache_option(cfg, a.cache)
+    # no hot-row files: cold means nothing from an earlier process either (hotrows.py)
+    cfg, cache_note = apply_cache_option(cfg.with_(hot_rows=0), a.cache)
     models = [Path(m) for m in a.model] if a.model else [default_model(cfg, progress=True)]
     with gg.open_table(models[0], config=cfg) as t:
         facts = bench_facts(t.path, cfg)
