@@ -139,7 +139,7 @@ with gg.open_table(path, config=cfg) as t:
         print("ERR", f"{time.perf_counter() - t0:.3f}", " | ".join(getattr(e, "__notes__", [])), flush=True)
     pipe._stage = orig                          # the GPU is usable again: a whole run completes
     res = pipe.run(tokens, collect=True)
-    print("OK", len(res["outputs"]), list(pipe.flags.host) if pipe.flags is not None else [0, 0], flush=True)
+    print("OK", len(res["outputs"]), pipe.flags.host.tolist() if pipe.flags is not None else [0, 0], flush=True)
     if pipe.capacity[0] is not None:            # a plan larger than the captured staging is refused
         pipe.capacity = [1, 1]
         try:
