@@ -49,6 +49,16 @@ def stream_ptr(stream) -> int:
     raise TypeError(f"not a CUDA stream: {stream!r}")
 
 
+def launch_stream(stream, ids):
+    """The stream a device gather of `ids` queues everything on: `stream`, or where None torch's current stream for
+    torch CUDA ids (where torch queues their consumers; its side streams do not wait for cupy's null stream), else
+    None (cupy's current)."""
+    if stream is None and kind(ids) == "torch-cuda":
+        import torch
+        return torch.cuda.current_stream(ids.device)
+    return stream
+
+
 def cupy_stream(stream):
     """A cupy Stream object for `stream` (wrapping a foreign handle without owning it)."""
     import cupy

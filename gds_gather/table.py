@@ -236,6 +236,7 @@ class Table:
         """
         if arrays.is_device(ids):
             import cupy as cp
+            stream = arrays.launch_stream(stream, ids)
             plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
             with arrays.cupy_stream(stream):
                 rows = staging[offs[:, None] + cp.arange(self.row_bytes)]
@@ -272,6 +273,7 @@ class Table:
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
         import cupy as cp
         from . import dequant_gpu
+        stream = arrays.launch_stream(stream, ids)      # one stream for the copies and the kernel
         plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
         with arrays.cupy_stream(stream):
             inv = arrays.like(cp.asarray(plan.inverse.reshape(plan.shape)), ids)

@@ -7,6 +7,7 @@ findings on a real GPU are covered by `gpu`-marked tests in test_device_gpu.py.
 from __future__ import annotations
 
 import ast
+import importlib
 import contextlib
 import io
 from pathlib import Path
@@ -35,3 +36,223 @@ def test_fault_script_prints_plain_ints_for_the_flags():
     with contextlib.redirect_stdout(out):
         exec(line.strip(), {"res": {"outputs": [0] * 6}, "pipe": Pipe})
     assert out.getvalue().strip() == "OK 6 [0, 0]"
+
+
+# -- stand-ins for cupy, torch's CUDA streams and torch CUDA ids ------------------------------------------------------
+import ctypes  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+
+import gds_gather as gg  # noqa: E402
+
+TORCH_STREAM = 0x5150       # the handle of "torch's current stream" below
+NULL = 0                    # cupy's default: the legacy null stream
+
+
+class FakeCuda:
+    """Enough of cupy for DeviceSink, devcache's launches and Table's device gather, on host memory. Every queued
+    operation is logged with the stream it was queued on: ("h2d" | "set" | "asarray" | "kernel" | "sync", ptr)."""
+
+    def __init__(self, *, from_external: bool = True, register_fails_at: int | None = None):
+        self.log: list = []
+        self.registered: dict[int, int] = {}     # address -> bytes, as hostRegister/hostUnregister leave it
+        self.n_register = 0
+        self.register_fails_at = register_fails_at
+        fake = self
+
+        class Stream:
+            null = None
+
+            def __init__(self, ptr=NULL):
+                self.ptr = ptr
+
+            def synchronize(self):
+                fake.log.append(("sync", self.ptr))
+
+            def __enter__(self):
+                fake.current.append(self)
+                return self
+
+            def __exit__(self, *exc):
+                fake.current.pop()
+
+        if from_external:
+            Stream.from_external = classmethod(lambda cls, obj: cls(obj.__cuda_stream__()[1]))
+
+        class ExternalStream(Stream):
+            pass
+
+        class Device:
+            def __init__(self, i=0):
+                self.id = i
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                pass
+
+            def synchronize(self):
+                fake.log.append(("device-sync", None))
+
+        def host_register(ptr, n, flags):
+            fake.n_register += 1
+            if fake.n_register == fake.register_fails_at:
+                raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered (stand-in)")
+            fake.registered[ptr] = n
+
+        def host_unregister(ptr):
+            if ptr not in fake.registered:
+                raise RuntimeError("cudaErrorHostMemoryNotRegistered (stand-in)")
+            del fake.registered[ptr]
+
+        def memcpy_async(dst, src, n, kind, stream):
+            ctypes.memmove(dst, src, n)
+            fake.log.append(("h2d", stream))
+
+        self.current = [Stream(NULL)]
+        rt = types.SimpleNamespace(hostRegister=host_register, hostUnregister=host_unregister,
+                                   memcpyAsync=memcpy_async, memcpyHostToDevice=1, is_hip=False)
+        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=ExternalStream, Device=Device, runtime=rt,
+                                          get_current_stream=lambda: fake.current[-1])
+        self.module = types.ModuleType("cupy")
+        self.module.__dict__.update(
+            cuda=self.cuda, uint8=np.uint8, int64=np.int64, int32=np.int32, ndarray=DevArray,
+            empty=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
+            asarray=self._asarray, asnumpy=lambda a: np.asarray(a.a if isinstance(a, DevArray) else a),
+            from_dlpack=lambda x: DevArray(x.a, fake), arange=lambda *a: DevArray(np.arange(*a), fake))
+
+    def _asarray(self, a):
+        if isinstance(a, DevArray):
+            return a
+        self.log.append(("asarray", self.current[-1].ptr))
+        return DevArray(np.array(a), self)
+
+    def streams(self, *kinds) -> set:
+        return {p for k, p in self.log if k in kinds}
+
+
+class DevArray:
+    """A 'device' array of FakeCuda: numpy memory, copies logged on the stream they were queued on."""
+
+    def __init__(self, a, fake):
+        self.a, self.fake = a, fake
+
+    nbytes = property(lambda self: self.a.nbytes)
+    shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
+    data = property(lambda self: types.SimpleNamespace(ptr=self.a.ctypes.data))
+    device = property(lambda self: types.SimpleNamespace(id=0))
+
+    def _wrap(self, a):
+        return DevArray(a, self.fake)
+
+    def __getitem__(self, k):
+        k = tuple(x.a if isinstance(x, DevArray) else x for x in k) if isinstance(k, tuple) else \
+            (k.a if isinstance(k, DevArray) else k)
+        return self._wrap(self.a[k])
+
+    def __setitem__(self, k, v):
+        self.a[k] = v.a if isinstance(v, DevArray) else v
+        self.fake.log.append(("kernel", self.fake.current[-1].ptr))
+
+    def __add__(self, o):
+        return self._wrap(self.a + (o.a if isinstance(o, DevArray) else o))
+
+    def view(self, dtype):
+        return self._wrap(self.a.view(dtype))
+
+    def reshape(self, *shape):
+        return self._wrap(self.a.reshape(*shape))
+
+    def set(self, arr, stream=None):
+        self.a[...] = arr
+        self.fake.log.append(("set", (stream or self.fake.current[-1]).ptr))
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+class TorchCudaIds:
+    """Stands for a torch CUDA tensor of ids (arrays.kind reads the type's module and .device)."""
+    __module__ = "torch.stand_in"
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+        self.device = types.SimpleNamespace(type="cuda", index=0)
+
+
+class TorchStream:
+    """A torch.cuda.Stream stand-in: torch.cuda.current_stream() makes a new one per call, same handle."""
+
+    def __init__(self, handle=TORCH_STREAM):
+        self.cuda_stream = handle
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """FakeCuda installed as `cupy`, torch's current stream = TORCH_STREAM, the kernel launch recorded (and
+    computed with dequant_gpu.reference_gather, so the rows are checked against gguf's dequantizer)."""
+    torch = pytest.importorskip("torch")
+    from gds_gather import dequant_gpu, devcache
+    fake = FakeCuda()
+    monkeypatch.setitem(sys.modules, "cupy", fake.module)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: TorchStream())
+
+    def gather_rows(staging, offs, inv, qtype, row_elems, *, dtype="float32", stream=None, **kw):
+        torch_ids = hasattr(inv, "numpy")       # None: torch's current stream for torch ids, as the real one
+        fake.log.append(("launch", dequant_gpu._stream_handle(stream, "torch" if torch_ids else "cupy", 0)))
+        inv = inv.numpy() if torch_ids else np.asarray(inv.a)
+        return dequant_gpu.reference_gather(staging.a, offs.a, inv, qtype, row_elems, dtype=dtype, **kw)
+    monkeypatch.setattr(dequant_gpu, "gather_rows", gather_rows)
+    monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
+    return fake
+
+
+class CopyKernel:
+    """kernels/copy.cu's gg_copy_rows on host memory (ctl[1] rows of row_bytes, pool + src[r] -> pool + dst[r]),
+    logged on the stream it is launched on (cupy's current)."""
+
+    def __init__(self, fake, name):
+        assert name == "gg_copy_rows", name
+        self.fake = fake
+
+    def __call__(self, grid, block, args):
+        pool, src, dst, ctl, rb = (int(a) for a in args)
+        k = ctypes.c_int64.from_address(ctl + 8).value
+        s = np.ctypeslib.as_array((ctypes.c_int64 * k).from_address(src))
+        d = np.ctypeslib.as_array((ctypes.c_int64 * k).from_address(dst))
+        for a, b in zip(s.tolist(), d.tolist()):
+            ctypes.memmove(pool + b, pool + a, rb)
+        self.fake.log.append(("kernel", self.fake.current[-1].ptr))
+
+
+def _table(path, cache_bytes=0):
+    return gg.open_table(path, config=gg.Config(platform="discrete", cache_bytes=cache_bytes))
+
+
+# -- finding 1: torch CUDA ids with stream=None: everything on torch's current stream ----------------------------------
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20], ids=["no-cache", "device-cache"])
+def test_torch_ids_queue_everything_on_torchs_current_stream(fake_cuda, small_table, cache_bytes):
+    ids = np.random.default_rng(0).integers(0, 300, (40, 3))
+    with _table(small_table, cache_bytes) as t:
+        want = t.gather(ids)
+        for _ in range(2):          # the second batch: device-cache hits and admissions
+            got = t.gather(TorchCudaIds(ids))
+            np.testing.assert_array_equal(np.asarray(got), want)
+    queued = fake_cuda.streams("h2d", "set", "asarray", "kernel", "launch")
+    assert queued == {TORCH_STREAM}, fake_cuda.log
+    assert ("launch", TORCH_STREAM) in fake_cuda.log
+
+
+def test_torch_ids_read_rows_on_torchs_current_stream(fake_cuda, small_table):
+    ids = np.random.default_rng(1).integers(0, 300, (50, 2))
+    with _table(small_table) as t:
+        got = t.read_rows(TorchCudaIds(ids))
+        np.testing.assert_array_equal(np.asarray(got), t.read_rows(ids))
+    assert fake_cuda.streams("h2d", "set", "asarray", "kernel") == {TORCH_STREAM}, fake_cuda.log
