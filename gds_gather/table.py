@@ -108,7 +108,8 @@ class Table:
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self)                # ... and to use in a forked child
         self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
-        self._last_stream = _NO_GPU         # the GPU stream of the last device fetch (another thread's may differ)
+        self._last_stream = _NO_GPU         # the GPU stream handle of the last device fetch (another thread's may differ)
+        self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
         self._fin = weakref.finalize(self, _release, self._readers, self._sinks)   # an unclosed Table frees too
 
     # -- metadata ------------------------------------------------------------------------------------------
@@ -159,14 +160,21 @@ class Table:
         The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
         place; they are valid until the next fetch on this table, which first waits for `stream`.
         """
-        name, mode, why = choose_device(self, backend, self.config)     # the one gds-or-direct decision
+        name, mode, why = self._device_choice(backend)
         key = f"{name}@{mode}"
         if key not in self._sinks:
             log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
-        if self._last_stream is not _NO_GPU and self._last_stream is not stream:
+        handle = arrays.stream_ptr(stream)      # by handle: torch makes a new wrapper per current_stream() call
+        if self._last_stream is not _NO_GPU and self._last_stream != handle:
             arrays.cupy_stream(self._last_stream).synchronize()   # another stream may still read the staging
-        self._last_stream = stream
+        self._last_stream = handle
         return self._sink(name, mode).fetch(plan, stream)
+
+    def _device_choice(self, backend: str) -> tuple[str, str, str]:
+        """choose_device's answer for this table, asked once per backend (the one gds-or-direct decision)."""
+        if backend not in self._device_choices:
+            self._device_choices[backend] = choose_device(self, backend, self.config)
+        return self._device_choices[backend]
 
     def _sink(self, name: str, mode: str):
         key = f"{name}@{mode}"
@@ -200,7 +208,7 @@ class Table:
     def _fetch_ids_device(self, ids, backend: str, stream):
         """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
         import cupy as cp
-        _, mode, _ = choose_device(self, backend, self.config)
+        _, mode, _ = self._device_choice(backend)
         plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)), align=self.gds_align if mode == "gds" else None)
         return (plan, *self.fetch_device(plan, backend, stream))
 

@@ -256,3 +256,31 @@ def test_torch_ids_read_rows_on_torchs_current_stream(fake_cuda, small_table):
         got = t.read_rows(TorchCudaIds(ids))
         np.testing.assert_array_equal(np.asarray(got), t.read_rows(ids))
     assert fake_cuda.streams("h2d", "set", "asarray", "kernel") == {TORCH_STREAM}, fake_cuda.log
+
+
+# -- finding 7: one stream synchronization per device gather, one device choice per table ------------------------------
+def test_one_sync_per_gather_on_torchs_current_stream(fake_cuda, small_table, monkeypatch):
+    """torch.cuda.current_stream() is a new wrapper per call, same handle: the staging's previous consumer is on
+    that same stream, so the sink's own wait is the only synchronization."""
+    backends = importlib.import_module("gds_gather.backends")   # (gds_gather.backends is also a function)
+    probes = []
+    real = backends.gds_state
+    monkeypatch.setattr(backends, "gds_state", lambda: probes.append(1) or real())
+    ids = np.arange(30).reshape(10, 3)
+    with _table(small_table) as t:
+        t.gather(TorchCudaIds(ids))
+        first = len(probes)         # the device choice, and resolving the sink's host backend: once per table
+        t.gather(TorchCudaIds(ids))
+        t.gather(TorchCudaIds(ids))
+    assert [k for k, _ in fake_cuda.log].count("sync") == 3, fake_cuda.log
+    assert first <= 2 and len(probes) == first     # kvikio import check + cuFile query: never per gather
+
+
+def test_another_stream_is_waited_for(fake_cuda, small_table):
+    """A gather on another stream first waits for the stream that last read the staging (then its own)."""
+    ids = np.arange(30).reshape(10, 3)
+    with _table(small_table) as t:
+        t.gather(TorchCudaIds(ids))
+        t.gather(TorchCudaIds(ids), stream=TorchStream(0x7777))
+    syncs = [p for k, p in fake_cuda.log if k == "sync"]
+    assert syncs == [TORCH_STREAM, TORCH_STREAM, 0x7777], fake_cuda.log
