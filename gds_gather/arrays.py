@@ -60,7 +60,8 @@ def launch_stream(stream, ids):
 
 
 def cupy_stream(stream):
-    """A cupy Stream object for `stream` (wrapping a foreign handle without owning it)."""
+    """A cupy Stream object for `stream` (wrapping a foreign handle without owning it): Stream.from_external on
+    cupy 14 (where ExternalStream is deprecated), ExternalStream on cupy 13 (which has no from_external)."""
     import cupy
     if stream is None:
         return cupy.cuda.get_current_stream()

@@ -215,14 +215,19 @@ def fake_cuda(monkeypatch):
 
 
 class CopyKernel:
-    """kernels/copy.cu's gg_copy_rows on host memory (ctl[1] rows of row_bytes, pool + src[r] -> pool + dst[r]),
-    logged on the stream it is launched on (cupy's current)."""
+    """kernels/copy.cu on host memory, logged on the stream it is launched on (cupy's current): gg_copy_words
+    (ctl[0] 8-byte words src -> dst), gg_copy_rows (ctl[1] rows of row_bytes, pool + src[r] -> pool + dst[r])."""
 
     def __init__(self, fake, name):
-        assert name == "gg_copy_rows", name
-        self.fake = fake
+        assert name in ("gg_copy_rows", "gg_copy_words"), name
+        self.fake, self.name = fake, name
 
     def __call__(self, grid, block, args):
+        if self.name == "gg_copy_words":
+            src, dst, ctl = (int(a) for a in args)
+            ctypes.memmove(dst, src, 8 * ctypes.c_int64.from_address(ctl).value)
+            self.fake.log.append(("kernel", self.fake.current[-1].ptr))
+            return
         pool, src, dst, ctl, rb = (int(a) for a in args)
         k = ctypes.c_int64.from_address(ctl + 8).value
         s = np.ctypeslib.as_array((ctypes.c_int64 * k).from_address(src))
@@ -284,3 +289,30 @@ def test_another_stream_is_waited_for(fake_cuda, small_table):
         t.gather(TorchCudaIds(ids), stream=TorchStream(0x7777))
     syncs = [p for k, p in fake_cuda.log if k == "sync"]
     assert syncs == [TORCH_STREAM, TORCH_STREAM, 0x7777], fake_cuda.log
+
+
+# -- finding 3: cupy 13 has no Stream.from_external ----------------------------------------------------------------
+@pytest.mark.parametrize("from_external", [True, False], ids=["cupy14", "cupy13"])
+def test_device_cache_copies_launch_on_the_given_stream_without_from_external(monkeypatch, from_external):
+    from gds_gather import devcache
+    fake = FakeCuda(from_external=from_external)
+    monkeypatch.setitem(sys.modules, "cupy", fake.module)
+    monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
+    pool = np.zeros(64, np.uint8)
+    pool[:8] = np.arange(1, 9)
+    fresh = np.arange(100, 116, dtype=np.uint8)
+    ctl = np.array([2, 1], np.int64)                # 2 words of fresh rows; 1 admitted row
+    adm = np.array([16, 40], np.int64)              # pool[16:24] -> pool[40:48]
+    devcache.copy_words(fresh.ctypes.data, pool.ctypes.data + 16, ctl.ctypes.data, 4, 0xabc, 0)
+    devcache.copy_rows(pool.ctypes.data, adm.ctypes.data, adm.ctypes.data + 8, ctl.ctypes.data, 8, 4, 0xabc, 0)
+    assert fake.log == [("kernel", 0xabc), ("kernel", 0xabc)]
+    np.testing.assert_array_equal(pool[16:32], fresh)
+    np.testing.assert_array_equal(pool[40:48], fresh[:8])
+
+
+def test_only_arrays_wraps_foreign_streams():
+    """Stream.from_external (cupy >= 14) and ExternalStream (cupy 13) are chosen in one place: arrays.cupy_stream."""
+    root = Path(__file__).parent.parent / "gds_gather"
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if p.name != "arrays.py" and ("from_external" in p.read_text() or "ExternalStream" in p.read_text()))
+    assert users == []
