@@ -43,15 +43,31 @@ class _DeviceBuffer:
         return self.buf
 
 
+class _Pin:
+    """hostRegister / hostUnregister hooks of one Staging that unregister only a range they registered (after a
+    refused register, the staging's buffer is not page-locked and close must not unregister it)."""
+
+    def __init__(self, flags: int):
+        self.flags, self.addr = flags, None
+
+    def pin(self, buf) -> None:
+        _cp().cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, self.flags)
+        self.addr = buf.ctypes.data
+
+    def unpin(self, buf) -> None:
+        if self.addr is not None and self.addr == buf.ctypes.data:
+            self.addr = None
+            _cp().cuda.runtime.hostUnregister(buf.ctypes.data)
+
+
 def pin_staging(staging, mapped: bool) -> None:
     """Page-lock a reader's Staging for the GPU, now and after every regrowth; `mapped` also maps it into the
-    GPU's address space so kernels can read it in place (zero copy)."""
-    cp = _cp()
-    flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0)
-    staging.pin = lambda buf: cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, flags)
-    staging.unpin = lambda buf: cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+    GPU's address space so kernels can read it in place (zero copy). The hooks are installed once the current
+    buffer is registered."""
+    p = _Pin(HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0))
     if staging.buf.nbytes:
-        staging.pin(staging.buf)
+        p.pin(staging.buf)
+    staging.pin, staging.unpin = p.pin, p.unpin
 
 
 def device_view(host: np.ndarray):

@@ -59,11 +59,18 @@ def _locked(method):
 
 
 def _release(readers: dict, sinks: dict) -> None:
-    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed)."""
+    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): every close is
+    tried, then the first error is raised."""
+    first = None
     for r in list(sinks.values()) + list(readers.values()):
-        r.close()
+        try:
+            r.close()
+        except BaseException as e:      # noqa: B036 (a KeyboardInterrupt too: the other closes still run)
+            first = first or e
     sinks.clear()
     readers.clear()
+    if first is not None:
+        raise first
 
 
 class Table:
@@ -298,9 +305,11 @@ class Table:
     # -- lifetime --------------------------------------------------------------------------------------------
     @_locked
     def close(self) -> None:
-        self._fin()
-        self._meta = None
-        self.closed = True
+        try:
+            self._fin()
+        finally:
+            self._meta = None
+            self.closed = True
 
     def __enter__(self):
         return self

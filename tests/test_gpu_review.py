@@ -316,3 +316,55 @@ def test_only_arrays_wraps_foreign_streams():
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                    if p.name != "arrays.py" and ("from_external" in p.read_text() or "ExternalStream" in p.read_text()))
     assert users == []
+
+
+# -- finding 5: pin / unpin pairing under a failing hostRegister; close continues -------------------------------------
+def _open_fds(path) -> int:
+    import os
+    d = "/proc/self/fd"
+    return sum(1 for f in os.listdir(d) if os.path.realpath(os.path.join(d, f)) == os.path.realpath(path))
+
+
+def test_refused_register_is_never_unregistered(fake_cuda, small_table):
+    """The sink's first register fails: the gather fails, nothing is page-locked, and close unregisters nothing
+    (it raised "not registered" before, hiding the first error and skipping the other closes)."""
+    fake_cuda.register_fails_at = 1
+    t = _table(small_table)
+    with pytest.raises(RuntimeError, match="AlreadyRegistered"):
+        t.gather(TorchCudaIds(np.arange(3)), "direct")
+    t.close()
+    assert fake_cuda.registered == {}
+
+
+def test_refused_register_after_regrowth_is_never_unregistered(fake_cuda):
+    from gds_gather.device import pin_staging
+    from gds_gather.readers import Staging
+    st = Staging()
+    st.ensure(4096)
+    pin_staging(st, mapped=True)
+    assert list(fake_cuda.registered.values()) == [st.buf.nbytes]
+    fake_cuda.register_fails_at = 2
+    with pytest.raises(RuntimeError, match="AlreadyRegistered"):
+        st.ensure(st.buf.nbytes + 1)        # unregisters the old buffer, then registering the grown one fails
+    assert fake_cuda.registered == {}
+    st.close()                              # nothing registered: nothing to unregister
+    fake_cuda.register_fails_at = None
+    st.ensure(4096)
+    pin_staging(st, mapped=False)
+    st.close()
+    assert fake_cuda.registered == {}
+
+
+def test_close_runs_every_close_and_raises_the_first_error(fake_cuda, small_table, monkeypatch):
+    before = _open_fds(small_table)
+    t = _table(small_table)
+    t.gather(TorchCudaIds(np.arange(3)), "direct")      # pinned O_DIRECT staging (closed first)
+    t.gather(np.arange(3), "pread")                     # a host reader (closed after it)
+    assert _open_fds(small_table) >= before + 2
+
+    def refuse(ptr):
+        raise RuntimeError("cudaErrorDevicesUnavailable (stand-in)")
+    monkeypatch.setattr(fake_cuda.cuda.runtime, "hostUnregister", refuse)
+    with pytest.raises(RuntimeError, match="DevicesUnavailable"):
+        t.close()
+    assert _open_fds(small_table) == before and t.closed    # the pread reader's fd was closed all the same
