@@ -7,7 +7,8 @@
   KvikIO's compat path otherwise).
 
 Nothing here is imported on the CPU path. fetch() returns (device staging, device offset of each unique row);
-the staging stays valid until the next fetch on the same sink, which first waits for work queued on the stream.
+the staging stays valid until the next fetch on the same sink, which first waits for work queued on the stream,
+or until close(), which first waits for the stream of the last fetch.
 """
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2
 def _cp():
     import cupy
     return cupy
+
+
+class _LastStream:
+    """The stream of a sink's last fetch (and the caller's stream object, kept alive), to wait for before the
+    staging it reads is unpinned, unmapped or freed."""
+
+    def __init__(self):
+        self.caller = self.stream = None
+
+    def used(self, caller, stream) -> None:
+        self.caller, self.stream = caller, stream
+
+    def wait(self) -> None:
+        s, self.caller, self.stream = self.stream, None, None
+        if s is not None:
+            s.synchronize()
 
 
 class _DeviceBuffer:
@@ -92,6 +109,7 @@ class DeviceSink:
         self._cache_dev = None
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
+        self.last = _LastStream()
         staging = getattr(reader, "staging", None)
         self.pinned = staging is not None
         if staging is not None:
@@ -104,6 +122,7 @@ class DeviceSink:
         cp = _cp()
         s = arrays.cupy_stream(stream)
         s.synchronize()      # the previous batch's consumers on this stream are done with staging
+        self.last.used(stream, s)
         if self.cache is not None and self.cache.capacity and hasattr(self.reader, "fetch"):
             return self._fetch_cached(plan, s)
         if hasattr(self.reader, "fetch"):
@@ -184,8 +203,13 @@ class DeviceSink:
         return dev[:need], d_offs
 
     def close(self) -> None:
-        self.dev.buf = self.offsets.buf = None
-        self._cache_dev = None
+        """Wait for the last fetch's stream (its kernels may still read the staging), then drop the buffers; the
+        reader, closed after the sinks (Table), then unpins and unmaps the staging."""
+        try:
+            self.last.wait()
+        finally:
+            self.dev.buf = self.offsets.buf = None
+            self._cache_dev = None
 
 
 class GdsReader:
@@ -228,6 +252,7 @@ class GdsReader:
             log.warning("%s: gds: %s", self.path.name, self.how)
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
+        self.last = _LastStream()
         self.odirect = True
         self.bytes_read = 0
 
@@ -246,6 +271,7 @@ class GdsReader:
         s = arrays.cupy_stream(stream)
         if wait:
             s.synchronize()  # cuFile is not stream-ordered: queued work must be done before we overwrite
+            self.last.used(stream, s)   # (wait=False: the prefill orders and drains its slots itself)
         dev = self.dev.ensure(plan.window_bytes)
         size = self._base.file_size
         futures = []
@@ -262,7 +288,10 @@ class GdsReader:
         return dev[:plan.window_bytes], d_offs
 
     def close(self) -> None:
-        if getattr(self, "file", None) is not None:
-            self.file.close()
-            self.file = None
-        self.dev.buf = self.offsets.buf = None
+        try:
+            self.last.wait()        # kernels queued after the last fetch may still read the device staging
+        finally:
+            if getattr(self, "file", None) is not None:
+                self.file.close()
+                self.file = None
+            self.dev.buf = self.offsets.buf = None

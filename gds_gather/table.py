@@ -59,8 +59,9 @@ def _locked(method):
 
 
 def _release(readers: dict, sinks: dict) -> None:
-    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): every close is
-    tried, then the first error is raised."""
+    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): the GPU sinks
+    first (each waits for the stream of its last fetch), then the readers (unpin, unmap); every close is tried,
+    then the first error is raised."""
     first = None
     for r in list(sinks.values()) + list(readers.values()):
         try:

@@ -107,6 +107,7 @@ class FakeCuda:
             if ptr not in fake.registered:
                 raise RuntimeError("cudaErrorHostMemoryNotRegistered (stand-in)")
             del fake.registered[ptr]
+            fake.log.append(("unregister", ptr))
 
         def memcpy_async(dst, src, n, kind, stream):
             ctypes.memmove(dst, src, n)
@@ -277,7 +278,7 @@ def test_one_sync_per_gather_on_torchs_current_stream(fake_cuda, small_table, mo
         first = len(probes)         # the device choice, and resolving the sink's host backend: once per table
         t.gather(TorchCudaIds(ids))
         t.gather(TorchCudaIds(ids))
-    assert [k for k, _ in fake_cuda.log].count("sync") == 3, fake_cuda.log
+        assert [k for k, _ in fake_cuda.log].count("sync") == 3, fake_cuda.log
     assert first <= 2 and len(probes) == first     # kvikio import check + cuFile query: never per gather
 
 
@@ -287,8 +288,8 @@ def test_another_stream_is_waited_for(fake_cuda, small_table):
     with _table(small_table) as t:
         t.gather(TorchCudaIds(ids))
         t.gather(TorchCudaIds(ids), stream=TorchStream(0x7777))
-    syncs = [p for k, p in fake_cuda.log if k == "sync"]
-    assert syncs == [TORCH_STREAM, TORCH_STREAM, 0x7777], fake_cuda.log
+        syncs = [p for k, p in fake_cuda.log if k == "sync"]
+        assert syncs == [TORCH_STREAM, TORCH_STREAM, 0x7777], fake_cuda.log
 
 
 # -- finding 3: cupy 13 has no Stream.from_external ----------------------------------------------------------------
@@ -368,3 +369,21 @@ def test_close_runs_every_close_and_raises_the_first_error(fake_cuda, small_tabl
     with pytest.raises(RuntimeError, match="DevicesUnavailable"):
         t.close()
     assert _open_fds(small_table) == before and t.closed    # the pread reader's fd was closed all the same
+
+
+# -- finding 4: close waits for queued GPU work before unpinning the staging it reads ---------------------------------
+@pytest.mark.parametrize("how", ["close", "finalizer"])
+def test_close_waits_for_the_last_stream_before_unpinning(fake_cuda, small_table, how):
+    import gc
+    t = _table(small_table)
+    t.gather(TorchCudaIds(np.arange(30).reshape(10, 3)), "direct", stream=TorchStream(0x7777))
+    launch = fake_cuda.log.index(("launch", 0x7777))
+    if how == "close":
+        t.close()
+    else:
+        del t
+        gc.collect()
+    after = fake_cuda.log[launch + 1:]
+    kinds = [k for k, _ in after]
+    assert "unregister" in kinds and ("sync", 0x7777) in after, fake_cuda.log
+    assert after.index(("sync", 0x7777)) < kinds.index("unregister")
