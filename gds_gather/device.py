@@ -212,6 +212,40 @@ class DeviceSink:
             self._cache_dev = None
 
 
+def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
+    """Set KvikIO's process-wide defaults for our reads and say how they run: (real GPU-direct storage, how).
+
+    Threads and a GDS threshold of 0 (KvikIO's 1 thread and 16 KiB threshold would serialize and bypass GDS for
+    small reads); without real GPU-direct storage also `auto_direct_io_read` (KvikIO >= 25.12), since KvikIO's
+    compat-mode POSIX reads are buffered otherwise and repeated "cold" reads would measure the page cache.
+    `kvikio`: the module (tests pass a stand-in)."""
+    if kvikio is None:
+        import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
+    d = kvikio.defaults
+    try:
+        d.set({"num_threads": threads, "gds_threshold": 0})
+    except AttributeError:       # KvikIO < 25.02
+        d.num_threads_reset(threads)
+        d.gds_threshold_reset(0)
+    try:
+        real = bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception:            # no cuFile driver to ask: no GPU-direct DMA
+        real = False
+    if real and not d.is_compat_mode_preferred():
+        return True, "real GPU-direct storage"
+    try:
+        d.set({"auto_direct_io_read": True})
+        direct = bool(d.get("auto_direct_io_read"))
+    except (AttributeError, KeyError, ValueError, TypeError):      # KvikIO < 25.12: no such setting
+        direct = False
+    return False, ("cuFile/KvikIO compat mode: POSIX O_DIRECT reads (auto_direct_io_read) through a bounce "
+                   "buffer, no GPU-direct DMA" if direct else
+                   "cuFile/KvikIO compat mode: BUFFERED POSIX reads through the page cache (this KvikIO has no "
+                   "auto_direct_io_read; 25.12+ has), no GPU-direct DMA")
+
+
 class GdsReader:
     """KvikIO/cuFile: aligned windows read straight into device memory.
 
@@ -233,21 +267,12 @@ class GdsReader:
         self.path, self.config = self._base.path, config
         threads = default_threads(config)
         try:
-            # KvikIO's defaults (1 thread, 16 KiB GDS threshold) would serialize and bypass GDS for small reads
-            kvikio.defaults.set({"num_threads": threads, "gds_threshold": 0})
+            self.real_gds, reads = configure_kvikio(threads)
             self.file = kvikio.CuFile(str(self.path), "r")
         except (OSError, RuntimeError) as e:
             self._base.close()
             raise BackendError(f"gds: KvikIO could not open {self.path}: {type(e).__name__}: {e}") from e
-        try:
-            import kvikio.cufile_driver
-            self.real_gds = bool(kvikio.cufile_driver.get("is_gds_available"))
-        except Exception:
-            self.real_gds = False
-        compat = kvikio.defaults.is_compat_mode_preferred()
-        self.how = (f"KvikIO CuFile, {threads} threads, "
-                    + ("real GPU-direct storage" if self.real_gds and not compat else
-                       "cuFile/KvikIO compat mode (POSIX reads through a bounce buffer, no GPU-direct DMA)"))
+        self.how = f"KvikIO CuFile, {threads} threads, {reads}"
         if not self.real_gds:
             log.warning("%s: gds: %s", self.path.name, self.how)
         self.dev = _DeviceBuffer()

@@ -387,3 +387,47 @@ def test_close_waits_for_the_last_stream_before_unpinning(fake_cuda, small_table
     kinds = [k for k, _ in after]
     assert "unregister" in kinds and ("sync", 0x7777) in after, fake_cuda.log
     assert after.index(("sync", 0x7777)) < kinds.index("unregister")
+
+
+# -- finding 6: KvikIO compat mode reads with O_DIRECT, and says so -----------------------------------------------------
+class FakeKvikioDefaults:
+    """kvikio.defaults' set/get/is_compat_mode_preferred; `known`: the settings this KvikIO version has."""
+
+    def __init__(self, compat: bool, known=("num_threads", "gds_threshold", "auto_direct_io_read")):
+        self.compat, self.known, self.values = compat, set(known), {"auto_direct_io_read": False}
+
+    def set(self, config):
+        for k in config:
+            if k not in self.known:
+                raise KeyError(k)           # kvikio's _property_setters[name]
+        self.values.update(config)
+
+    def get(self, name):
+        if name not in self.known:
+            raise KeyError(name)
+        return self.values[name]
+
+    def is_compat_mode_preferred(self):
+        return self.compat
+
+
+def _kvikio(defaults, gds: bool):
+    return types.SimpleNamespace(defaults=defaults, cufile_driver=types.SimpleNamespace(get=lambda k: gds))
+
+
+@pytest.mark.parametrize("known,direct", [(("num_threads", "gds_threshold", "auto_direct_io_read"), True),
+                                          (("num_threads", "gds_threshold"), False)], ids=["kvikio26", "kvikio25.8"])
+def test_compat_mode_reads_bypass_the_page_cache_and_say_so(known, direct):
+    from gds_gather.device import configure_kvikio
+    d = FakeKvikioDefaults(compat=True, known=known)
+    real, how = configure_kvikio(8, _kvikio(d, gds=False))
+    assert not real and d.values["num_threads"] == 8 and d.values["gds_threshold"] == 0
+    assert d.values["auto_direct_io_read"] is direct
+    assert ("O_DIRECT" in how) is direct and ("BUFFERED" in how) is (not direct), how
+
+
+def test_real_gds_leaves_the_posix_setting_alone():
+    from gds_gather.device import configure_kvikio
+    d = FakeKvikioDefaults(compat=False)
+    assert configure_kvikio(4, _kvikio(d, gds=True)) == (True, "real GPU-direct storage")
+    assert d.values["auto_direct_io_read"] is False
