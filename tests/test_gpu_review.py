@@ -431,3 +431,81 @@ def test_real_gds_leaves_the_posix_setting_alone():
     d = FakeKvikioDefaults(compat=False)
     assert configure_kvikio(4, _kvikio(d, gds=True)) == (True, "real GPU-direct storage")
     assert d.values["auto_direct_io_read"] is False
+
+
+# -- finding 8: the flag publication is a real store barrier; a refused wait node falls back to eager -----------------
+def test_native_publish_is_a_fenced_store(tmp_path):
+    import shutil
+    import subprocess
+    from gds_gather import native
+    lib, why = native.library(gg.Config(cache_dir=tmp_path))
+    if lib is None:
+        pytest.skip(why)
+    flags = np.zeros(2, np.int32)
+    native.publish_i32(lib, flags, 1, 7)
+    assert flags.tolist() == [0, 7]
+    with pytest.raises(IndexError):
+        native.publish_i32(lib, flags, 2, 1)
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to check the barrier instruction")
+    so = next((tmp_path / "native").glob("libggnative-*.so"))
+    asm = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True).stdout
+    body = asm.split("<gg_publish_i32>:", 1)[1].split("\n\n", 1)[0]
+    assert any(b in body for b in ("mfence", "lock ", "dmb")), body    # a full fence before the flag store
+
+
+def test_publisher_without_native_helpers(monkeypatch):
+    from gds_gather import graph, native
+    monkeypatch.setattr(native, "library", lambda config=None: (None, "no C compiler (stand-in)"))
+    monkeypatch.setattr(graph.platform, "machine", lambda: "aarch64")
+    with pytest.raises(gg.errors.BackendError, match="store-store barrier"):
+        graph.publisher()
+    monkeypatch.setattr(graph.platform, "machine", lambda: "x86_64")      # TSO: a plain store is ordered
+    flags = np.zeros(2, np.int32)
+    graph.publisher()(flags, 0, 1)
+    assert flags.tolist() == [1, 0]
+
+
+class _Capture:
+    """torch.cuda.graph stand-in: capture_end fails over an error raised inside the capture, as torch's does."""
+
+    def __init__(self, g, stream=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if exc is not None:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture (stand-in)")
+
+
+def test_refused_wait_during_capture_runs_eagerly(monkeypatch):
+    from gds_gather import graph, pipeline
+
+    class LibCuda:      # the driver refuses stream memory operations: CUDA_ERROR_NOT_SUPPORTED
+        def cuStreamWaitValue32_v2(self, *a):
+            return 801
+    monkeypatch.setattr(graph, "_libcuda", lambda: LibCuda())
+    flags = object.__new__(graph.HostFlags)
+    flags.host, flags.dev_ptr = np.zeros(2, np.int32), 0x1000
+    steps = []
+
+    def step(n, s, wait, ev=None):
+        steps.append((n, s, wait))
+        if wait:
+            p.flags.wait(0x5150, s, 1)
+        return ("ple", "out")
+
+    p = object.__new__(pipeline.GpuPrefill)
+    cuda = types.SimpleNamespace(stream=lambda s: contextlib.nullcontext(), Event=lambda **kw: object(),
+                                 CUDAGraph=object, graph=_Capture)
+    p.torch, p.stream = types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(synchronize=lambda: None)
+    p.kern = types.SimpleNamespace(warmup=lambda *a, **k: None)
+    p.t, p.dtype, p.dc, p.flags, p._step = types.SimpleNamespace(qtype=None), "float32", None, flags, step
+    p.graph, p.graph_why, p.graphs, p.g_events = True, "CUDA graph per (ubatch size, slot)", {}, {}
+    p.launch(4, 1)
+    assert steps == [(4, 1, False), (4, 1, False), (4, 1, True), (4, 1, False)]   # warm-ups, capture, eager
+    assert not p.graph and p.flags is None and "801" in p.graph_why and p._out == ("ple", "out")
+    p.release(1)            # eager: no flag to set
