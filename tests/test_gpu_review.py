@@ -509,3 +509,48 @@ def test_refused_wait_during_capture_runs_eagerly(monkeypatch):
     assert steps == [(4, 1, False), (4, 1, False), (4, 1, True), (4, 1, False)]   # warm-ups, capture, eager
     assert not p.graph and p.flags is None and "801" in p.graph_why and p._out == ("ple", "out")
     p.release(1)            # eager: no flag to set
+
+
+# -- finding 9: gpu_check's test steps each have a limit and a junit XML; the summary lists every step ----------------
+_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="{n}">{cases}
+</testsuite></testsuites>"""
+
+
+def _junit(path, cases):
+    body = "".join(f'<testcase classname="tests.{f}" name="{n}" file="tests/{f}.py">{extra}</testcase>'
+                   for f, n, extra in cases)
+    path.write_text(_JUNIT.format(n=len(cases), cases=body))
+
+
+def test_summary_lists_every_step_and_a_killed_one_without_junit(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out, junit = tmp_path / "out", tmp_path / "junit"
+    out.mkdir()
+    junit.mkdir()
+    steps = [("package", "ok", 1), ("gpu-selection", "ok", 9), ("test-kernels", "ok", 80),
+             ("test-prefill", "timeout after 120 s", 130), ("test-other", "failed (exit 1)", 20),
+             ("bench-kernels", "ok", 30)]
+    (tmp_path / "steps.tsv").write_text("".join(f"{a}\t{b}\t{c}\n" for a, b, c in steps))
+    (tmp_path / "missing.json").write_text('{"required": [], "optional": []}')
+    _junit(junit / "test-kernels.xml", [("test_kernels_gpu", "a", ""), ("test_kernels_gpu", "b", "")])
+    _junit(junit / "test-other.xml", [("test_hf", "c", '<failure message="x"/>'), ("test_trunk", "d", "<skipped/>")])
+    (junit / "test-prefill.xml").write_text("<testsuites><testsuite")     # killed while writing
+    (junit / "all.collected").write_text("9\n")
+    script = Path(__file__).parent.parent / "bench" / "gpu_check_summary.py"
+    r = subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "steps.tsv"),
+                        str(tmp_path / "missing.json"), "1", str(junit)], capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert list(s["steps"]) == [a for a, _, _ in steps] and not s["ok"]
+    assert s["steps"]["test-prefill"]["junit"] == "none: the step wrote no junit XML (timeout after 120 s)"
+    assert s["steps"]["test-kernels"]["junit"] is True
+    t = s["tests"]
+    assert (t["passed"], t["failed"], t["skipped"], t["collected"]) == (2, 1, 1, 4)
+    assert t["per_step"]["test-kernels"]["passed"] == 2 and t["per_step"]["test-other"]["failed"] == 1
+    assert t["failures"] == ["tests.test_hf::c"]
+    assert "in_no_step" not in t            # a step without junit: the count cannot be compared
+    for name, _, _ in steps:
+        assert name in r.stdout
+    assert "junit: none" in r.stdout and (out / "gpu_tests.xml").is_file()
