@@ -148,7 +148,7 @@ have_gpu() {
 # The test steps, one a line: NAME|limit in seconds|pytest arguments separated by ';' (files, and -k where a file
 # is split). Every `gpu` test must fall in exactly one (gpu-selection checks it).
 TEST_STEPS="test-kernels|90|tests/test_kernels_gpu.py
-test-device|60|tests/test_device_gpu.py;-k;not read_error_mid_prefill
+test-device|90|tests/test_device_gpu.py;-k;not read_error_mid_prefill
 test-faults|120|tests/test_device_gpu.py;-k;read_error_mid_prefill
 test-prefill|120|tests/test_prefill.py
 test-other|60|tests/test_hf.py;tests/test_rowcache.py;tests/test_trunk.py;tests/test_gpu_review.py"
