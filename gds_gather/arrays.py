@@ -1,11 +1,7 @@
 """Array kinds (numpy, torch CPU, torch CUDA, cupy) and zero-copy conversion between them, imported lazily."""
 from __future__ import annotations
 
-from .errors import GatherError
-
-
-class BadDtypeError(GatherError, TypeError):
-    """An output dtype gds_gather cannot produce (the message names the accepted ones)."""
+from .errors import BadDtypeError
 
 
 def kind(x) -> str:

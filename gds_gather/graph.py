@@ -17,7 +17,7 @@ import platform
 import numpy as np
 
 from . import native
-from .errors import BackendError
+from .errors import BackendError, WaitValueRefused
 
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
@@ -34,10 +34,6 @@ def _libcuda():
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     return lib
-
-
-class WaitValueRefused(BackendError):
-    """The driver refused a stream wait/write-value operation (no stream memory operations here): run eagerly."""
 
 
 def _check(rc: int, what: str) -> None:
