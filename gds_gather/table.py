@@ -116,7 +116,7 @@ class Table:
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self)                # ... and to use in a forked child
         self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
-        self._last_stream = _NO_GPU         # the GPU stream handle of the last device fetch (another thread's may differ)
+        self._last_stream = _NO_GPU         # the stream handle of the last device fetch (another thread's may differ)
         self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
         self._fin = weakref.finalize(self, _release, self._readers, self._sinks)   # an unclosed Table frees too
 

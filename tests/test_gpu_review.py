@@ -389,7 +389,7 @@ def test_close_waits_for_the_last_stream_before_unpinning(fake_cuda, small_table
     assert after.index(("sync", 0x7777)) < kinds.index("unregister")
 
 
-# -- finding 6: KvikIO compat mode reads with O_DIRECT, and says so -----------------------------------------------------
+# -- finding 6: KvikIO compat mode reads with O_DIRECT, and says so ------------------------------------------------
 class FakeKvikioDefaults:
     """kvikio.defaults' set/get/is_compat_mode_preferred; `known`: the settings this KvikIO version has."""
 

@@ -95,9 +95,10 @@ class _StorageWorker:
         self.staging = Staging()
         if self.xfer == "cpu-gpu":
             import cupy as cp
+
+            from ..device import pin_staging
             self.cp = cp
-            self.staging.pin = lambda b: cp.cuda.runtime.hostRegister(b.ctypes.data, b.nbytes, 1)  # portable
-            self.staging.unpin = lambda b: cp.cuda.runtime.hostUnregister(b.ctypes.data)
+            pin_staging(self.staging, mapped=False)     # page-locked (portable) from its first ensure on
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.dev = cp.empty(self.slots * self.io, cp.uint8)
             self.events = [None, None]
