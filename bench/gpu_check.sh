@@ -6,8 +6,9 @@
 #     bash bench/fetch_wheels.sh            # beforehand, on a machine with PyPI: wheels the image lacks -> .whl/
 #     bash bench/gpu_check.sh OUTDIR        # on the GPU machine (carry .whl with the checkout)
 #
-# Steps, each under `timeout`, each run even if an earlier one failed, within GPU_CHECK_BUDGET seconds (default
-# 540, the H200 allowance; a step the budget cannot fit is "not run: budget"):
+# Steps, each under its own `timeout`, each run even if an earlier one failed, within GPU_CHECK_BUDGET seconds
+# (default 540, the H200 allowance; a step the budget cannot fit is "not run: budget"). GPU_CHECK_ONLY=a,b runs
+# only the steps named (the others are "skipped: not selected"), to split the check over two device calls:
 #   imports   every module the run needs, checked on this machine first; what is missing is printed
 #   wheels    .whl/*.whl -> pip install --no-index --no-deps --target $SITE (works where PEP 668 refuses a
 #             system install); $SITE goes first on PYTHONPATH
@@ -15,15 +16,20 @@
 #             kernels/ as gds_gather.model and gds_gather.kernels); every Python runs with -P, so the
 #             checkout's own gds_gather/ (which lacks those two) never shadows it
 #   facts     python, where each module comes from, platform detection, backends
-#   gpu-tests pytest -m gpu with a junit XML; zero collected gpu tests is a failure (FAILED: 0 collected)
+#   gpu-selection  every `gpu` test belongs to exactly one of the test steps below (else it fails, naming them),
+#             from one collection; the summary also compares that count with the test steps' junit XMLs
+#   test-kernels, test-device, test-faults, test-prefill, test-other: pytest -m gpu on a part of the suite, each
+#             with its own limit and its own junit XML, so a slow part cannot hide the others' results; zero
+#             collected tests is a failure
 #   bench-kernels, bench-storage, bench-gather, bench-prefill (--targets: graph vs no-graph, ratios)
-# Without a GPU (no nvidia-smi -L, or cupy sees no device) every GPU step is "skipped: no GPU"; gpu-tests then
-# only collects, to prove the selection is not empty.
+# Without a GPU (no nvidia-smi -L, or cupy sees no device) every GPU step is "skipped: no GPU"; the test steps then
+# only collect their part, to prove it is not empty ("skipped: no GPU (N collected)").
 #
 # OUTDIR receives at most 8 files: summary.json (the one summary: every step's status and seconds, missing
-# imports, tests passed/failed/skipped per file from the junit XML, kernel GB/s per type vs the D2D copy,
-# graph vs eager prefill, prefill ratios and targets), gpu_check.log (everything), gpu_tests.xml and
-# bench_{kernels,storage,gather,prefill}.json. GPU_CHECK_PLOTS=1 adds the bench plots (3 more files).
+# imports, tests passed/failed/skipped per step and per file from the junit XMLs, kernel GB/s per type vs the D2D
+# copy, graph vs eager prefill, prefill ratios and targets), gpu_check.log (everything), gpu_tests.xml (the test
+# steps' junit XMLs in one file) and bench_{kernels,storage,gather,prefill}.json. GPU_CHECK_PLOTS=1 adds the
+# bench plots (3 more files).
 # Exit status: 0 when every step is ok or "skipped: no GPU"; 1 when any failed, timed out or was not run;
 # 2 for bad usage.
 set -uo pipefail
@@ -46,11 +52,24 @@ export PY OUT REPO SITE WORK
 T0=$(date +%s)
 GPU=0
 
+JUNIT="$WORK/junit"
+rm -rf "$JUNIT" && mkdir -p "$JUNIT" || exit 2
+export JUNIT
+
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; }   # NAME STATUS SECONDS
+
+selected() {   # is step NAME in GPU_CHECK_ONLY (or is there no selection)?
+    [[ -z ${GPU_CHECK_ONLY:-} || ,$GPU_CHECK_ONLY, == *,$1,* ]]
+}
 
 step() {   # step NAME CAP_SECONDS COMMAND...: run under timeout; record ok / failed (exit N) / timeout
     local name=$1 cap=$2
     shift 2
+    if ! selected "$name"; then
+        echo "== $name: skipped: not selected (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)"
+        record "$name" "skipped: not selected" 0
+        return 0
+    fi
     local left=$((BUDGET - 15 - ($(date +%s) - T0)))     # 15 s kept for the summary
     local limit=$((cap < left ? cap : left))
     if ((limit < 5)); then
@@ -126,30 +145,78 @@ have_gpu() {
         "${PYP[@]}" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" >/dev/null 2>&1
 }
 
-gpu_tests() {
+# The test steps, one a line: NAME|limit in seconds|pytest arguments separated by ';' (files, and -k where a file
+# is split). Every `gpu` test must fall in exactly one (gpu-selection checks it).
+TEST_STEPS="test-kernels|90|tests/test_kernels_gpu.py
+test-device|90|tests/test_device_gpu.py;-k;not read_error_mid_prefill
+test-faults|120|tests/test_device_gpu.py;-k;read_error_mid_prefill
+test-prefill|120|tests/test_prefill.py
+test-other|60|tests/test_hf.py;tests/test_rowcache.py;tests/test_trunk.py;tests/test_gpu_review.py"
+export TEST_STEPS
+
+collect() {   # collect ARGS...: the node ids of the gpu tests ARGS select, one a line
+    "$PY" -P -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep -E '^tests/.*::'
+}
+
+gpu_tests() {   # gpu_tests NAME ARGS...: one test step (with a GPU: run, junit into $JUNIT/NAME.xml)
+    local name=$1
+    shift
     if ((GPU)); then
-        "$PY" -P -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
+        "$PY" -P -m pytest -m gpu -q -p no:cacheprovider --junitxml="$JUNIT/$name.xml" -o junit_family=xunit2 \
+            -o junit_suite_name="$name" "$@"
         local rc=$?
         local n
-        n=$("$PY" -P -c "import xml.etree.ElementTree as E; r=E.parse('$OUT/gpu_tests.xml').getroot(); \
+        n=$("$PY" -P -c "import xml.etree.ElementTree as E; r=E.parse('$JUNIT/$name.xml').getroot(); \
 print(sum(int(s.get('tests', 0)) for s in ([r] if r.tag == 'testsuite' else r.iter('testsuite'))))" 2>/dev/null || echo 0)
         if [[ $n == 0 ]]; then
-            echo "FAILED: 0 gpu tests collected: the GPU check tested nothing (see the collection errors above)"
+            echo "FAILED: 0 gpu tests collected in $name: it tested nothing (see the collection errors above)"
             return 3
         fi
         return "$rc"
     fi
     local n
-    n=$("$PY" -P -m pytest -m gpu --collect-only -q -p no:cacheprovider 2>&1 | grep -cE '^tests/.*::')
-    echo "no GPU: collected $n gpu tests (not run)"
+    if [[ -f $JUNIT/$name.ids ]]; then n=$(grep -c . "$JUNIT/$name.ids"); else n=$(collect "$@" | wc -l); fi
+    echo "no GPU: $name collected $n gpu tests (not run)"
+    echo "$n" >"$JUNIT/$name.collected"
     if [[ $n == 0 ]]; then
-        echo "FAILED: 0 gpu tests collected"
+        echo "FAILED: 0 gpu tests collected in $name"
         return 3
     fi
     return 0
 }
 
-export -f check_imports make_site gpu_tests
+gpu_selection() {   # every gpu test in exactly one test step: one collection, split here by the steps' selections
+    collect >"$JUNIT/all.ids" || { echo "FAILED: no gpu test collected"; return 3; }
+    "$PY" -P - "$JUNIT" <<'PYEOF'
+import os, sys
+from pathlib import Path
+junit = Path(sys.argv[1])
+ids = junit.joinpath("all.ids").read_text().split()
+(junit / "all.collected").write_text(f"{len(ids)}\n")
+owners = {i: [] for i in ids}
+for line in os.environ["TEST_STEPS"].splitlines():
+    name, _, sel = line.split("|")
+    args = sel.split(";")
+    files = [a for a in args if a.endswith(".py")]
+    k = args[args.index("-k") + 1] if "-k" in args else None       # the forms used: "WORD" or "not WORD"
+    if k is not None and not (k.split()[-1].isidentifier() and k.split()[:-1] in ([], ["not"])):
+        sys.exit(f"gpu-selection: step {name}: -k {k!r} is not of the form WORD or 'not WORD'")
+    mine = [i for i in ids if i.split("::")[0] in files and
+            (k is None or (k.split()[-1] in i.split("::", 1)[1]) != k.startswith("not "))]
+    (junit / f"{name}.ids").write_text("".join(f"{i}\n" for i in mine))
+    for i in mine:
+        owners[i].append(name)
+none = [i for i, o in owners.items() if not o]
+two = [f"{i} ({', '.join(o)})" for i, o in owners.items() if len(o) > 1]
+print(f"gpu tests: {len(ids)} in all; in no test step: {len(none)}; in two: {len(two)}")
+for what, bad in (("in no test step", none), ("in two test steps", two)):
+    if bad:
+        print(f"FAILED: gpu tests {what}:", *bad, sep="\n  ")
+sys.exit(1 if none or two or not ids else 0)
+PYEOF
+}
+
+export -f check_imports make_site collect gpu_tests gpu_selection
 
 main() {
     echo "gds-gather GPU check: repo $REPO, out $OUT, work $WORK, budget ${BUDGET} s, $(date -u +%FT%TZ)"
@@ -191,10 +258,16 @@ for b in gg.backends():
 EOF
 
     # -- tests and benches -----------------------------------------------------------------------------------------
-    step gpu-tests 200 gpu_tests
-    if ((!GPU)); then   # the collection above proved the selection; the tests themselves need a GPU
-        sed -i '$ s/\tok\t/\tskipped: no GPU (collected only)\t/' "$STEPS"
-    fi
+    step gpu-selection 60 gpu_selection
+    local name cap sel args
+    while IFS='|' read -r name cap sel; do
+        IFS=';' read -ra args <<<"$sel"
+        step "$name" "$cap" gpu_tests "$name" "${args[@]}" </dev/null
+        if ((!GPU)) && [[ -f $JUNIT/$name.collected ]] && tail -1 "$STEPS" | grep -q $'\tok\t'; then
+            # the collection proved the part is not empty; the tests themselves need a GPU
+            sed -i "\$ s/\tok\t/\tskipped: no GPU ($(cat "$JUNIT/$name.collected") collected)\t/" "$STEPS"
+        fi
+    done <<<"$TEST_STEPS"
     gpu_step bench-kernels 60 bash -c "\"\$@\" bench/bench_kernels.py --quick --json >'$OUT/bench_kernels.json'" _ \
         "${PYP[@]}"
     local plot=()
@@ -210,7 +283,7 @@ EOF
     # -- the one JSON summary ----------------------------------------------------------------------------------------
     echo
     echo "== summary ($(($(date +%s) - T0)) s in all; budget ${BUDGET} s)"
-    "${PYP[@]}" "$REPO/bench/gpu_check_summary.py" "$OUT" "$STEPS" "$WORK/missing.json" "$GPU"
+    "${PYP[@]}" "$REPO/bench/gpu_check_summary.py" "$OUT" "$STEPS" "$WORK/missing.json" "$GPU" "$JUNIT"
 }
 
 main 2>&1 | tee "$LOG"

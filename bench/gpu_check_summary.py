@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The one JSON summary of bench/gpu_check.sh: OUTDIR/summary.json, and a short text version on stdout.
 
-    python3 bench/gpu_check_summary.py OUTDIR STEPS.tsv MISSING.json GPU(0|1)
+    python3 bench/gpu_check_summary.py OUTDIR STEPS.tsv MISSING.json GPU(0|1) [JUNIT_DIR]
 
-Reads what the steps left in OUTDIR (gpu_tests.xml from pytest's junitxml, bench_kernels.json,
-bench_{storage,gather,prefill}.json) and the step table (name, status, seconds). Exit status: 0 when every step
-is ok or skipped (no GPU, no wheels to install), 1 otherwise.
+Reads what the steps left in OUTDIR (bench_kernels.json, bench_{storage,gather,prefill}.json), the test steps'
+junit XMLs (JUNIT_DIR/STEP.xml, one per test step; merged into OUTDIR/gpu_tests.xml; without JUNIT_DIR,
+OUTDIR/gpu_tests.xml itself) and the step table (name, status, seconds). Every step is listed; a test step that
+left no junit XML (killed by its time limit, or not run) says so next to its status. Exit status: 0 when every
+step is ok or skipped (no GPU, no wheels to install, not selected), 1 otherwise.
 """
 from __future__ import annotations
 
@@ -32,23 +34,47 @@ def _load(path: Path):
             return None
 
 
+def merge_junit(junit_dir: Path, out: Path) -> list[str]:
+    """The test steps' junit XMLs (junit_dir/STEP.xml) as one <testsuites> file `out`; the steps merged."""
+    root = ET.Element("testsuites")
+    steps = []
+    for xml in sorted(junit_dir.glob("*.xml")):
+        try:
+            r = ET.parse(xml).getroot()
+        except ET.ParseError:
+            continue            # a half-written file of a killed step: that step reads as "no junit"
+        for suite in ([r] if r.tag == "testsuite" else r.iter("testsuite")):
+            suite.set("name", xml.stem)
+            root.append(suite)
+        steps.append(xml.stem)
+    if steps:
+        ET.ElementTree(root).write(out, encoding="utf-8", xml_declaration=True)
+    return steps
+
+
 def tests_summary(xml: Path) -> dict | None:
-    """passed / failed / errors / skipped, in all and per test file, from pytest's junit XML."""
+    """passed / failed / errors / skipped, in all, per test step (testsuite name) and per test file, from
+    pytest's junit XML."""
     if not xml.is_file():
         return None
     root = ET.parse(xml).getroot()
     per = defaultdict(lambda: {"passed": 0, "failed": 0, "errors": 0, "skipped": 0})
+    per_step = defaultdict(lambda: {"passed": 0, "failed": 0, "errors": 0, "skipped": 0})
     failures = []
-    for case in root.iter("testcase"):
+    cases = [(suite.get("name", ""), case) for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite"))
+             for case in suite.iter("testcase")]
+    for step, case in cases:
         f = case.get("file") or (case.get("classname", "").replace(".", "/") + ".py")
         kids = {c.tag for c in case}
         state = ("failed" if "failure" in kids else "errors" if "error" in kids else
                  "skipped" if "skipped" in kids else "passed")
         per[f][state] += 1
+        per_step[step][state] += 1
         if state in ("failed", "errors"):
             failures.append(f"{case.get('classname')}::{case.get('name')}")
     total = {k: sum(v[k] for v in per.values()) for k in ("passed", "failed", "errors", "skipped")}
-    return {**total, "collected": sum(total.values()), "per_file": dict(per), "failures": failures}
+    return {**total, "collected": sum(total.values()), "per_step": dict(per_step), "per_file": dict(per),
+            "failures": failures}
 
 
 def kernels_summary(res) -> dict | None:
@@ -97,10 +123,17 @@ def bench_brief(res) -> dict | None:
 
 def main(argv) -> int:
     out, steps_tsv, missing_json, gpu = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3] == "1"
+    junit_dir = Path(argv[4]) if len(argv) > 4 else None
     steps = {}
     for line in steps_tsv.read_text().splitlines():
         name, status, secs = line.split("\t")
         steps[name] = {"status": status, "seconds": int(secs)}
+    if junit_dir is not None:
+        with_junit = set(merge_junit(junit_dir, out / "gpu_tests.xml")) if gpu else set()
+        for name, v in steps.items():
+            if name.startswith("test-"):
+                v["junit"] = (True if name in with_junit else "skipped: no GPU" if not gpu else
+                              f"none: the step wrote no junit XML ({v['status']})")
     missing = _load(missing_json) or {"required": None, "optional": None}
     s = {
         "gpu": gpu,
@@ -116,10 +149,20 @@ def main(argv) -> int:
     }
     if gpu and isinstance(s["tests"], dict) and s["tests"]["collected"] == 0:
         s["ok"] = False
+    every = junit_dir / "all.collected" if junit_dir is not None else None
+    if gpu and isinstance(s["tests"], dict) and every is not None and every.is_file() and \
+            all(v.get("junit") is True for k, v in steps.items() if k.startswith("test-")):
+        s["tests"]["in_no_step"] = int(every.read_text().strip() or 0) - s["tests"]["collected"]
+        if s["tests"]["in_no_step"]:        # a gpu test that no test step ran (or one that ran twice)
+            s["ok"] = False
     (out / "summary.json").write_text(json.dumps(s, indent=1, default=str))
-    for name, v in steps.items():
-        print(f"  {name:<14} {v['status']:<34} {v['seconds']:>4} s")
     t = s["tests"]
+    for name, v in steps.items():
+        counts = (t["per_step"].get(name) if isinstance(t, dict) else None)
+        extra = (f"  {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+                 f"{counts['skipped']} skipped" if counts else
+                 f"  junit: {v['junit']}" if isinstance(v.get("junit"), str) and gpu else "")
+        print(f"  {name:<14} {v['status']:<34} {v['seconds']:>4} s{extra}")
     if isinstance(t, dict):
         print(f"  gpu tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped")
         for f in t["failures"][:20]:

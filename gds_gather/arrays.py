@@ -1,11 +1,7 @@
 """Array kinds (numpy, torch CPU, torch CUDA, cupy) and zero-copy conversion between them, imported lazily."""
 from __future__ import annotations
 
-from .errors import GatherError
-
-
-class BadDtypeError(GatherError, TypeError):
-    """An output dtype gds_gather cannot produce (the message names the accepted ones)."""
+from .errors import BadDtypeError
 
 
 def kind(x) -> str:
@@ -49,8 +45,19 @@ def stream_ptr(stream) -> int:
     raise TypeError(f"not a CUDA stream: {stream!r}")
 
 
+def launch_stream(stream, ids):
+    """The stream a device gather of `ids` queues everything on: `stream`, or where None torch's current stream for
+    torch CUDA ids (where torch queues their consumers; its side streams do not wait for cupy's null stream), else
+    None (cupy's current)."""
+    if stream is None and kind(ids) == "torch-cuda":
+        import torch
+        return torch.cuda.current_stream(ids.device)
+    return stream
+
+
 def cupy_stream(stream):
-    """A cupy Stream object for `stream` (wrapping a foreign handle without owning it)."""
+    """A cupy Stream object for `stream` (wrapping a foreign handle without owning it): Stream.from_external on
+    cupy 14 (where ExternalStream is deprecated), ExternalStream on cupy 13 (which has no from_external)."""
     import cupy
     if stream is None:
         return cupy.cuda.get_current_stream()

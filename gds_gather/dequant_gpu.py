@@ -379,7 +379,7 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     cp = _cupy()
     tab, n_sm = _device_state(dev)
     handle = _stream_handle(stream, kind, dev)
-    with cp.cuda.Device(dev), cp.cuda.Stream.from_external(arrays.StreamRef(handle)):
+    with cp.cuda.Device(dev), arrays.cupy_stream(handle):
         if out is None:
             if kind == "torch":
                 import torch

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rowcache
+from .arrays import cupy_stream
 from .planner import ReadPlan, replan
 
 FRESH_ALIGN = 4096          # the fresh area and the gds slot regions start page-aligned (cuFile, 8-byte copies)
@@ -220,9 +221,8 @@ def _grid(n: int) -> int:
 def copy_words(src_ptr: int, dst_ptr: int, ctl_ptr: int, max_words: int, stream_handle: int, device_id: int):
     """Queue gg_copy_words (ctl[0] words src -> dst) with a grid fixed by `max_words` (capturable)."""
     import cupy as cp
-    from .arrays import StreamRef
     fn = _function(device_id, "gg_copy_words")
-    with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+    with cp.cuda.Device(device_id), cupy_stream(stream_handle):
         fn((_grid(max_words),), (COPY_BLOCK,), (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(ctl_ptr)))
 
 
@@ -230,9 +230,8 @@ def copy_rows(pool_ptr: int, src_ptr: int, dst_ptr: int, ctl_ptr: int, row_bytes
               stream_handle: int, device_id: int):
     """Queue gg_copy_rows (ctl[1] rows of the pool, src[r] -> dst[r]) with a grid fixed by `max_rows`."""
     import cupy as cp
-    from .arrays import StreamRef
     grid = max(1, min(COPY_GRID_MAX, int(max_rows)))
     fn = _function(device_id, "gg_copy_rows")
-    with cp.cuda.Device(device_id), cp.cuda.Stream.from_external(StreamRef(stream_handle)):
+    with cp.cuda.Device(device_id), cupy_stream(stream_handle):
         fn((grid,), (COPY_BLOCK,), (np.uint64(pool_ptr), np.uint64(src_ptr), np.uint64(dst_ptr),
                                     np.uint64(ctl_ptr), np.int64(row_bytes)))

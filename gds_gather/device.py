@@ -7,7 +7,8 @@
   KvikIO's compat path otherwise).
 
 Nothing here is imported on the CPU path. fetch() returns (device staging, device offset of each unique row);
-the staging stays valid until the next fetch on the same sink, which first waits for work queued on the stream.
+the staging stays valid until the next fetch on the same sink, which first waits for work queued on the stream,
+or until close(), which first waits for the stream of the last fetch.
 """
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ def _cp():
     return cupy
 
 
+class _LastStream:
+    """The stream of a sink's last fetch (and the caller's stream object, kept alive), to wait for before the
+    staging it reads is unpinned, unmapped or freed."""
+
+    def __init__(self):
+        self.caller = self.stream = None
+
+    def used(self, caller, stream) -> None:
+        self.caller, self.stream = caller, stream
+
+    def wait(self) -> None:
+        s, self.caller, self.stream = self.stream, None, None
+        if s is not None:
+            s.synchronize()
+
+
 class _DeviceBuffer:
     """A device byte buffer that grows by doubling (cupy allocation)."""
 
@@ -43,15 +60,31 @@ class _DeviceBuffer:
         return self.buf
 
 
+class _Pin:
+    """hostRegister / hostUnregister hooks of one Staging that unregister only a range they registered (after a
+    refused register, the staging's buffer is not page-locked and close must not unregister it)."""
+
+    def __init__(self, flags: int):
+        self.flags, self.addr = flags, None
+
+    def pin(self, buf) -> None:
+        _cp().cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, self.flags)
+        self.addr = buf.ctypes.data
+
+    def unpin(self, buf) -> None:
+        if self.addr is not None and self.addr == buf.ctypes.data:
+            self.addr = None
+            _cp().cuda.runtime.hostUnregister(buf.ctypes.data)
+
+
 def pin_staging(staging, mapped: bool) -> None:
     """Page-lock a reader's Staging for the GPU, now and after every regrowth; `mapped` also maps it into the
-    GPU's address space so kernels can read it in place (zero copy)."""
-    cp = _cp()
-    flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0)
-    staging.pin = lambda buf: cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, flags)
-    staging.unpin = lambda buf: cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+    GPU's address space so kernels can read it in place (zero copy). The hooks are installed once the current
+    buffer is registered."""
+    p = _Pin(HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0))
     if staging.buf.nbytes:
-        staging.pin(staging.buf)
+        p.pin(staging.buf)
+    staging.pin, staging.unpin = p.pin, p.unpin
 
 
 def device_view(host: np.ndarray):
@@ -76,6 +109,7 @@ class DeviceSink:
         self._cache_dev = None
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
+        self.last = _LastStream()
         staging = getattr(reader, "staging", None)
         self.pinned = staging is not None
         if staging is not None:
@@ -88,6 +122,7 @@ class DeviceSink:
         cp = _cp()
         s = arrays.cupy_stream(stream)
         s.synchronize()      # the previous batch's consumers on this stream are done with staging
+        self.last.used(stream, s)
         if self.cache is not None and self.cache.capacity and hasattr(self.reader, "fetch"):
             return self._fetch_cached(plan, s)
         if hasattr(self.reader, "fetch"):
@@ -168,8 +203,47 @@ class DeviceSink:
         return dev[:need], d_offs
 
     def close(self) -> None:
-        self.dev.buf = self.offsets.buf = None
-        self._cache_dev = None
+        """Wait for the last fetch's stream (its kernels may still read the staging), then drop the buffers; the
+        reader, closed after the sinks (Table), then unpins and unmaps the staging."""
+        try:
+            self.last.wait()
+        finally:
+            self.dev.buf = self.offsets.buf = None
+            self._cache_dev = None
+
+
+def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
+    """Set KvikIO's process-wide defaults for our reads and say how they run: (real GPU-direct storage, how).
+
+    Threads and a GDS threshold of 0 (KvikIO's 1 thread and 16 KiB threshold would serialize and bypass GDS for
+    small reads); without real GPU-direct storage also `auto_direct_io_read` (KvikIO >= 25.12), since KvikIO's
+    compat-mode POSIX reads are buffered otherwise and repeated "cold" reads would measure the page cache.
+    `kvikio`: the module (tests pass a stand-in)."""
+    if kvikio is None:
+        import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
+    d = kvikio.defaults
+    try:
+        d.set({"num_threads": threads, "gds_threshold": 0})
+    except AttributeError:       # KvikIO < 25.02
+        d.num_threads_reset(threads)
+        d.gds_threshold_reset(0)
+    try:
+        real = bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception:            # no cuFile driver to ask: no GPU-direct DMA
+        real = False
+    if real and not d.is_compat_mode_preferred():
+        return True, "real GPU-direct storage"
+    try:
+        d.set({"auto_direct_io_read": True})
+        direct = bool(d.get("auto_direct_io_read"))
+    except (AttributeError, KeyError, ValueError, TypeError):      # KvikIO < 25.12: no such setting
+        direct = False
+    return False, ("cuFile/KvikIO compat mode: POSIX O_DIRECT reads (auto_direct_io_read) through a bounce "
+                   "buffer, no GPU-direct DMA" if direct else
+                   "cuFile/KvikIO compat mode: BUFFERED POSIX reads through the page cache (this KvikIO has no "
+                   "auto_direct_io_read; 25.12+ has), no GPU-direct DMA")
 
 
 class GdsReader:
@@ -194,25 +268,17 @@ class GdsReader:
         self.path, self.config = self._base.path, config
         threads = default_threads(config)
         try:
-            # KvikIO's defaults (1 thread, 16 KiB GDS threshold) would serialize and bypass GDS for small reads
-            kvikio.defaults.set({"num_threads": threads, "gds_threshold": 0})
+            self.real_gds, reads = configure_kvikio(threads)
             self.file = kvikio.CuFile(str(self.path), "r")
         except (OSError, RuntimeError) as e:
             self._base.close()
             raise BackendError(f"gds: KvikIO could not open {self.path}: {type(e).__name__}: {e}") from e
-        try:
-            import kvikio.cufile_driver
-            self.real_gds = bool(kvikio.cufile_driver.get("is_gds_available"))
-        except Exception:
-            self.real_gds = False
-        compat = kvikio.defaults.is_compat_mode_preferred()
-        self.how = (f"KvikIO CuFile, {threads} threads, "
-                    + ("real GPU-direct storage" if self.real_gds and not compat else
-                       "cuFile/KvikIO compat mode (POSIX reads through a bounce buffer, no GPU-direct DMA)"))
+        self.how = f"KvikIO CuFile, {threads} threads, {reads}"
         if not self.real_gds:
             log.warning("%s: gds: %s", self.path.name, self.how)
         self.dev = _DeviceBuffer()
         self.offsets = _DeviceBuffer()
+        self.last = _LastStream()
         self.odirect = True
         self.bytes_read = 0
 
@@ -231,6 +297,7 @@ class GdsReader:
         s = arrays.cupy_stream(stream)
         if wait:
             s.synchronize()  # cuFile is not stream-ordered: queued work must be done before we overwrite
+            self.last.used(stream, s)   # (wait=False: the prefill orders and drains its slots itself)
         dev = self.dev.ensure(plan.window_bytes)
         size = self._base.file_size
         futures = []
@@ -247,7 +314,10 @@ class GdsReader:
         return dev[:plan.window_bytes], d_offs
 
     def close(self) -> None:
-        if getattr(self, "file", None) is not None:
-            self.file.close()
-            self.file = None
-        self.dev.buf = self.offsets.buf = None
+        try:
+            self.last.wait()        # kernels queued after the last fetch may still read the device staging
+        finally:
+            if getattr(self, "file", None) is not None:
+                self.file.close()
+                self.file = None
+            self.dev.buf = self.offsets.buf = None

@@ -54,3 +54,27 @@ class ModelMismatchError(GatherError, ValueError):
 
 class TableLayoutError(GatherError, ValueError):
     """A table whose per-layer layout (layer count, elements per layer) is missing or does not fit its rows."""
+
+
+class BadDtypeError(GatherError, TypeError):
+    """An output dtype gds_gather cannot produce (the message names the accepted ones)."""
+
+
+class TokenizerError(GatherError, ValueError):
+    """The file's tokenizer metadata is of a kind this module does not run, or is inconsistent."""
+
+
+class StagingCapacityError(GatherError):
+    """A plan needs more staging than a captured graph's buffer holds (refused before anything is read)."""
+
+
+class PromptError(GatherError, ValueError):
+    """A prompt file that cannot be used (missing, not a regular file, unreadable, no words) or a bad length."""
+
+
+class OutputPathError(GatherError, OSError):
+    """An output path that cannot be written safely (missing directory, non-regular target, no space)."""
+
+
+class WaitValueRefused(BackendError):
+    """The driver refused a stream wait/write-value operation (no stream memory operations here): run eagerly."""

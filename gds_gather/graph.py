@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 
 import numpy as np
 
-from .errors import BackendError
-from .uring import full_barrier
+from . import native
+from .errors import BackendError, WaitValueRefused
 
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
@@ -37,7 +38,34 @@ def _libcuda():
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise BackendError(f"{what} failed with CUresult {rc}")
+        raise WaitValueRefused(f"{what} failed with CUresult {rc}")
+
+
+def refused_in(exc: BaseException | None) -> WaitValueRefused | None:
+    """The WaitValueRefused behind `exc` (itself, or its cause/context: torch's capture_end raises its own error
+    over it), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, WaitValueRefused):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def publisher():
+    """A function (flags, i, value) that publishes a host flag after the staging writes: the native helpers'
+    fenced release store; plain numpy stores only on x86-64, whose stores are never reordered with older ones.
+    BackendError elsewhere without the native helpers (then the prefill runs eagerly)."""
+    lib, why = native.library()
+    if lib is not None:
+        return functools.partial(native.publish_i32, lib)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        def store(flags, i, value):
+            flags[i] = value
+        return store
+    raise BackendError(f"publishing a host flag on {platform.machine()} needs a store-store barrier from the "
+                       f"native helpers: {why}")
 
 
 class HostFlags:
@@ -45,6 +73,7 @@ class HostFlags:
 
     def __init__(self, n: int = 2):
         import cupy as cp
+        self._publish = publisher()
         self._mem = cp.cuda.alloc_pinned_memory(4 * n)        # cudaHostAlloc: portable, mapped (UVA)
         self.host = np.frombuffer(self._mem, np.int32, n)
         self.host[:] = 0
@@ -62,6 +91,19 @@ class HostFlags:
                                                   CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
 
     def set(self, i: int, value: int = 1) -> None:
-        """Host side: release the GPU; a barrier first makes every staging write visible before the flag."""
-        full_barrier()
-        self.host[i] = value
+        """Host side: release the GPU; every staging write is visible before the flag (see publisher)."""
+        self._publish(self.host, i, value)
+
+    def probe(self, stream_handle: int) -> None:
+        """Queue a (satisfied) wait and a write on flag 0 eagerly and wait for them, before any capture:
+        WaitValueRefused where the driver refuses stream memory operations."""
+        from .arrays import cupy_stream
+        self.set(0, 1)
+        try:
+            self.wait(stream_handle, 0, 1)
+            self.write(stream_handle, 0, 0)
+            cupy_stream(stream_handle).synchronize()
+            if self.host[0] != 0:
+                raise WaitValueRefused("cuStreamWriteValue32 ran but its write did not reach the host flag")
+        finally:
+            self.host[:] = 0

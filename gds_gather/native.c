@@ -4,6 +4,7 @@
  *   reader does (and the engine's fallback where io_uring is missing). Short reads continue, EINTR/EAGAIN
  *   retry, the first error stops every thread and is reported with the extent's index.
  * gg_madvise_ranges: one madvise(2) per range of a mapping (batched readahead hints).
+ * gg_publish_i32: a release store of a flag that the GPU polls, ordered after every earlier store.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -108,4 +109,16 @@ void gg_mincore_rows(uint8_t *base, const int64_t *first, const int64_t *count, 
         }
         out[i] = (uint8_t)ok;
     }
+}
+
+/* Store `value` into `*flag` after every store this thread made or saw before it (the staging a GPU wait-value node
+   releases): a sequentially consistent fence (mfence on x86-64, dmb ish on arm64), on arm64 also dmb sy so that an
+   observer outside the inner-shareable domain (the GPU on GB10's C2C link) sees the same order, then a release
+   store. A mutex lock/unlock is no store-store barrier: stores before the lock may pass the flag store. */
+void gg_publish_i32(int32_t *flag, int32_t value) {
+    atomic_thread_fence(memory_order_seq_cst);
+#if defined(__aarch64__)
+    __asm__ __volatile__("dmb sy" ::: "memory");
+#endif
+    __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 }

@@ -53,6 +53,8 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
                                   ctypes.POINTER(ctypes.c_int)]
     lib.gg_madvise_ranges.restype = ctypes.c_int
     lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int]
+    lib.gg_publish_i32.restype = None
+    lib.gg_publish_i32.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.gg_mincore_rows.restype = None
     lib.gg_mincore_rows.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib, f"native helpers {so.name}"
@@ -84,6 +86,13 @@ def madvise_ranges(lib, base_addr: int, offsets, lengths, advice: int) -> int:
     off = np.ascontiguousarray(offsets, np.int64)
     ln = np.ascontiguousarray(lengths, np.int64)
     return lib.gg_madvise_ranges(base_addr, _ptr(off), _ptr(ln), off.shape[0], advice)
+
+
+def publish_i32(lib, flags: np.ndarray, i: int, value: int) -> None:
+    """flags[i] = value (int32) as a release store after a full fence (native.c: gg_publish_i32)."""
+    if flags.dtype != np.int32 or not 0 <= i < flags.shape[0]:
+        raise IndexError(f"publish_i32: flag {i} of an {flags.dtype} array of {flags.shape[0]}")
+    lib.gg_publish_i32(flags.ctypes.data + 4 * int(i), int(value))
 
 
 def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int, map_pages: int) -> np.ndarray:

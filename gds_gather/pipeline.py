@@ -29,6 +29,8 @@ import numpy as np
 from . import devcache, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
+from .errors import BackendError
+from .graph import refused_in
 from .readers import HOST_READERS
 from .schedule import check_fits, graph_mode, run_ubatches, staging_bound_for
 
@@ -152,7 +154,13 @@ class GpuPrefill:
         self.tokens_d = torch.zeros(ubatch, dtype=torch.int64, device=self.dev)
         self.inv_d = torch.zeros(self.N, dtype=torch.int32, device=self.dev)
         self.offs_d = torch.zeros(self.N, dtype=torch.int64, device=self.dev)
-        self.flags = HostFlags(2) if self.graph else None
+        self.flags = None
+        if self.graph:
+            try:
+                self.flags = HostFlags(2)
+                self.flags.probe(self.stream.cuda_stream)
+            except BackendError as e:   # no native release store, or no stream memory operations
+                self._eager(f"eager: the captured wait on a host flag is not available here ({e})")
         self.events = [None, None]
         self.readers, self.staging_views = [], []
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
@@ -196,6 +204,11 @@ class GpuPrefill:
         self.how = (f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
                     + (f"; device row cache of {self.dc.index.capacity:,} rows in GPU memory" if self.dc else "")
                     + f"; {self.graph_why}")
+
+    def _eager(self, why: str) -> None:
+        """Run eagerly from now on (before any replay: the graphs made so far are dropped)."""
+        log.warning("prefill: %s", why)
+        self.graph, self.graph_why, self.flags, self.graphs = False, why, None, {}
 
     def _new_reader(self):
         """A reader of the table for one staging slot: KvikIO for gds, else the host backend."""
@@ -303,8 +316,15 @@ class GpuPrefill:
             except TypeError:
                 ev = None
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=self.stream):
-                out = self._step(n, s, wait=True, ev=ev)
+            try:
+                with torch.cuda.graph(g, stream=self.stream):
+                    out = self._step(n, s, wait=True, ev=ev)
+            except Exception as e:      # a refused wait node (torch's capture_end may raise over it): eager
+                refused = refused_in(e)
+                if refused is None:
+                    raise
+                self._eager(f"eager: the driver refused the captured wait on a host flag ({refused})")
+                return None
             self.graphs[key] = (g, out)
             self.g_events[key] = ev
         return self.graphs[key]
@@ -368,8 +388,9 @@ class GpuPrefill:
             self._collect_timing(k - 2, self._ub, s)
 
     def launch(self, n: int, s: int) -> None:
-        if self.graph:
-            g, out = self._graph(n, s)
+        captured = self._graph(n, s) if self.graph else None
+        if captured is not None:
+            g, out = captured
             g.replay()                            # waits on the GPU for flag s
         else:
             torch = self.torch
@@ -409,7 +430,8 @@ class GpuPrefill:
         if self.graph:                       # capture before the clock starts (one graph per size and slot)
             for n in sorted({u.size for u in ub}):
                 for s in (0, 1):
-                    self._graph(n, s)
+                    if self.graph:          # (a refused capture turns the prefill eager)
+                        self._graph(n, s)
         for r in self.readers:
             r.bytes_read = 0
         outs = []

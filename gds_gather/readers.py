@@ -172,11 +172,13 @@ class Staging:
         return self.buf
 
     def close(self) -> None:
-        if self.unpin and self.buf.nbytes:
-            self.unpin(self.buf)
-        self.buf = np.zeros(0, np.uint8)
-        close_mapping(self._map)
-        self._map = None
+        try:
+            if self.unpin and self.buf.nbytes:
+                self.unpin(self.buf)
+        finally:                            # a refused unregister still frees the mapping
+            self.buf = np.zeros(0, np.uint8)
+            close_mapping(self._map)
+            self._map = None
 
 
 # O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: a cold qwen4exp-geometry
@@ -552,17 +554,19 @@ class _FdReader(Reader):
                 broken = self.ring.broken       # undrained: reads may still land in the staging, never reuse it
                 self.ring.close()
                 self.ring = None
-            if broken:
-                self.staging.close()
-            else:
-                _release_staging(self.staging)
-            self.staging = Staging()        # (a second close must not pool the same buffer twice)
-            if self._pc is not None:
-                self._pc.close()
-                self._pc = None
-            if self.fd >= 0:
-                self._fd_fin()
-                self.fd = -1
+            try:
+                if broken:
+                    self.staging.close()
+                else:
+                    _release_staging(self.staging)
+            finally:                        # a staging that fails to close (unpin) still lets the fd go
+                self.staging = Staging()    # (a second close must not pool the same buffer twice)
+                if self._pc is not None:
+                    self._pc.close()
+                    self._pc = None
+                if self.fd >= 0:
+                    self._fd_fin()
+                    self.fd = -1
 
 
 class _Engines(_FdReader):

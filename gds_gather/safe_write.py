@@ -23,11 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from .errors import GatherError
-
-
-class OutputPathError(GatherError, OSError):
-    """An output path that cannot be written safely (missing directory, non-regular target, no space)."""
+from .errors import OutputPathError
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),

@@ -26,15 +26,11 @@ from __future__ import annotations
 import logging
 import math
 
-from .errors import GatherError
+from .errors import StagingCapacityError
 
 log = logging.getLogger(__name__)
 
 MODES = ("overlap", "staged", "eager")
-
-
-class StagingCapacityError(GatherError):
-    """A plan needs more staging than a captured graph's buffer holds (refused before anything is read)."""
 
 
 def graph_mode(requested: bool, platform_kind: str) -> tuple[bool, str]:

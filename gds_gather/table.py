@@ -59,11 +59,19 @@ def _locked(method):
 
 
 def _release(readers: dict, sinks: dict) -> None:
-    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed)."""
+    """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): the GPU sinks
+    first (each waits for the stream of its last fetch), then the readers (unpin, unmap); every close is tried,
+    then the first error is raised."""
+    first = None
     for r in list(sinks.values()) + list(readers.values()):
-        r.close()
+        try:
+            r.close()
+        except BaseException as e:      # noqa: B036 (a KeyboardInterrupt too: the other closes still run)
+            first = first or e
     sinks.clear()
     readers.clear()
+    if first is not None:
+        raise first
 
 
 class Table:
@@ -108,7 +116,8 @@ class Table:
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self)                # ... and to use in a forked child
         self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
-        self._last_stream = _NO_GPU         # the GPU stream of the last device fetch (another thread's may differ)
+        self._last_stream = _NO_GPU         # the stream handle of the last device fetch (another thread's may differ)
+        self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
         self._fin = weakref.finalize(self, _release, self._readers, self._sinks)   # an unclosed Table frees too
 
     # -- metadata ------------------------------------------------------------------------------------------
@@ -159,14 +168,21 @@ class Table:
         The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
         place; they are valid until the next fetch on this table, which first waits for `stream`.
         """
-        name, mode, why = choose_device(self, backend, self.config)     # the one gds-or-direct decision
+        name, mode, why = self._device_choice(backend)
         key = f"{name}@{mode}"
         if key not in self._sinks:
             log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
-        if self._last_stream is not _NO_GPU and self._last_stream is not stream:
+        handle = arrays.stream_ptr(stream)      # by handle: torch makes a new wrapper per current_stream() call
+        if self._last_stream is not _NO_GPU and self._last_stream != handle:
             arrays.cupy_stream(self._last_stream).synchronize()   # another stream may still read the staging
-        self._last_stream = stream
+        self._last_stream = handle
         return self._sink(name, mode).fetch(plan, stream)
+
+    def _device_choice(self, backend: str) -> tuple[str, str, str]:
+        """choose_device's answer for this table, asked once per backend (the one gds-or-direct decision)."""
+        if backend not in self._device_choices:
+            self._device_choices[backend] = choose_device(self, backend, self.config)
+        return self._device_choices[backend]
 
     def _sink(self, name: str, mode: str):
         key = f"{name}@{mode}"
@@ -200,7 +216,7 @@ class Table:
     def _fetch_ids_device(self, ids, backend: str, stream):
         """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
         import cupy as cp
-        _, mode, _ = choose_device(self, backend, self.config)
+        _, mode, _ = self._device_choice(backend)
         plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)), align=self.gds_align if mode == "gds" else None)
         return (plan, *self.fetch_device(plan, backend, stream))
 
@@ -236,6 +252,7 @@ class Table:
         """
         if arrays.is_device(ids):
             import cupy as cp
+            stream = arrays.launch_stream(stream, ids)
             plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
             with arrays.cupy_stream(stream):
                 rows = staging[offs[:, None] + cp.arange(self.row_bytes)]
@@ -272,6 +289,7 @@ class Table:
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
         import cupy as cp
         from . import dequant_gpu
+        stream = arrays.launch_stream(stream, ids)      # one stream for the copies and the kernel
         plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
         with arrays.cupy_stream(stream):
             inv = arrays.like(cp.asarray(plan.inverse.reshape(plan.shape)), ids)
@@ -288,11 +306,13 @@ class Table:
     # -- lifetime --------------------------------------------------------------------------------------------
     @_locked
     def close(self) -> None:
-        if not self.closed:
-            rowcache.save_hot(self)     # the next process starts with this one's hot rows (hotrows.py)
-        self._fin()
-        self._meta = None
-        self.closed = True
+        try:
+            if not self.closed:
+                rowcache.save_hot(self)     # the next process starts with this one's hot rows (hotrows.py)
+            self._fin()
+        finally:
+            self._meta = None
+            self.closed = True
 
     def __enter__(self):
         return self

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import GatherError
+from .errors import PromptError
 from .safe_write import file_kind
 
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -35,10 +35,6 @@ MAX_TOKENS = 1 << 24              # prompt length bound (--tokens): 128 MiB of i
 MAX_PROMPT_BYTES = 64 << 20       # never read more of a prompt file than this
 CHUNK_BYTES = 64 << 10
 MAX_UNCUT = 1 << 18               # characters encoded at most in one piece (see _stream_ids)
-
-
-class PromptError(GatherError, ValueError):
-    """A prompt file that cannot be used (missing, not a regular file, unreadable, no words) or a bad length."""
 
 
 def default_text() -> str:

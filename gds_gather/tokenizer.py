@@ -55,7 +55,7 @@ import unicodedata
 
 import numpy as np
 
-from .errors import GatherError
+from .errors import TokenizerError
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
@@ -119,10 +119,6 @@ _PRE: dict[str, tuple[tuple[str, ...], bool]] = {
     **{k: (_STARCODER, False) for k in ("starcoder", "refact", "command-r")},
     "falcon": (_FALCON, False),
 }
-
-
-class TokenizerError(GatherError, ValueError):
-    """The file's tokenizer metadata is of a kind this module does not run, or is inconsistent."""
 
 
 # ---- Unicode classes ------------------------------------------------------------------------------------------

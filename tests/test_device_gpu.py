@@ -139,7 +139,7 @@ with gg.open_table(path, config=cfg) as t:
         print("ERR", f"{time.perf_counter() - t0:.3f}", " | ".join(getattr(e, "__notes__", [])), flush=True)
     pipe._stage = orig                          # the GPU is usable again: a whole run completes
     res = pipe.run(tokens, collect=True)
-    print("OK", len(res["outputs"]), list(pipe.flags.host) if pipe.flags is not None else [0, 0], flush=True)
+    print("OK", len(res["outputs"]), pipe.flags.host.tolist() if pipe.flags is not None else [0, 0], flush=True)
     if pipe.capacity[0] is not None:            # a plan larger than the captured staging is refused
         pipe.capacity = [1, 1]
         try:
@@ -175,3 +175,194 @@ def test_read_error_mid_prefill_returns_promptly(tmp_path, backend, platform, gr
     assert "OK 6 [0, 0]" in out
     if platform == "unified" or backend == "gds":     # captured staging: the size guard refuses, then runs again
         assert "REFUSED" in out and "AGAIN 6" in out
+
+
+# ---- the GPU-code review's findings (issue 17), on a real GPU; tests/test_gpu_review.py shows each on the CPU -----
+def test_side_stream_gather_copies_and_launches_on_torchs_stream(tmp_path, ggufs, monkeypatch):
+    """Finding 1: with the legacy stream busy (a sleep queued on it inside each fetch), a gather under
+    torch.cuda.stream(s) with stream=None must still see its own staging: copies and kernel all on s."""
+    torch = pytest.importorskip("torch")
+    from gds_gather import device
+    rows = ggufs.rows(Q.Q8_0, 4000, 160, seed=5)
+    path = ggufs.write(tmp_path / "t.gguf", rows, Q.Q8_0)
+    ref = ggufs.reference(path)
+    orig = device.DeviceSink.fetch
+
+    def delayed(self, plan, stream=None):
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(100_000_000)      # tens of ms on the legacy stream: a copy queued there waits
+        return orig(self, plan, stream)
+    monkeypatch.setattr(device.DeviceSink, "fetch", delayed)
+    rng = np.random.default_rng(5)
+    first, ids = rng.integers(0, 4000, (500, 4)), rng.integers(0, 4000, (500, 4))
+    s = torch.cuda.Stream()
+    with gg.open_table(path, config=gg.Config(platform="discrete", cache_bytes=0)) as t, torch.cuda.stream(s):
+        t.gather(torch.as_tensor(first, device="cuda"))         # other rows in the staging and offsets
+        got = t.gather(torch.as_tensor(ids, device="cuda"))
+        s.synchronize()
+        np.testing.assert_array_equal(got.cpu().numpy(), ref[ids])
+
+
+def test_cupy_stream_wraps_a_torch_stream_without_deprecation():
+    """Finding 3: arrays.cupy_stream uses Stream.from_external on cupy 14 (no DeprecationWarning: warnings are
+    errors here) and ExternalStream on cupy 13; work queued on it runs on the torch stream."""
+    import cupy as cp
+    torch = pytest.importorskip("torch")
+    from gds_gather import arrays
+    s = torch.cuda.Stream()
+    cs = arrays.cupy_stream(s)
+    assert cs.ptr == s.cuda_stream
+    with cs:
+        x = cp.arange(10) * 2
+    cs.synchronize()
+    assert cp.asnumpy(x).tolist() == list(range(0, 20, 2))
+
+
+_CLOSE_EARLY = r"""
+import sys
+import numpy as np
+import torch
+import gds_gather as gg
+from gds_gather import device
+path, n = sys.argv[1], int(sys.argv[2])
+orig = device.DeviceSink.fetch
+def fetch(self, plan, stream=None):
+    out = orig(self, plan, stream)
+    torch.cuda._sleep(200_000_000)      # the kernel is queued behind this on the same stream
+    return out
+device.DeviceSink.fetch = fetch
+ids = np.random.default_rng(0).integers(0, n, (2000, 3))
+s = torch.cuda.Stream()
+t = gg.open_table(path, config=gg.Config(platform="unified", cache_bytes=0))
+want = t.gather(ids)
+with torch.cuda.stream(s):
+    got = t.gather(torch.as_tensor(ids, device="cuda"))
+    t.close()                           # unpins and unmaps the zero-copy staging the queued kernel reads
+s.synchronize()
+print("SAME" if np.array_equal(got.cpu().numpy(), want) else "DIFFERENT", flush=True)
+"""
+
+
+def test_close_waits_for_queued_kernels_reading_the_staging(table_and_rows):
+    """Finding 4: Table.close right after a zero-copy gather whose kernel is still queued: close waits for the
+    stream, so the kernel reads mapped staging (not unmapped memory). In a subprocess: a fault would be sticky."""
+    import subprocess
+    import sys
+    path, rows = table_and_rows
+    r = subprocess.run([sys.executable, "-c", _CLOSE_EARLY, str(path), str(rows.shape[0])], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "SAME" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
+def test_refused_host_register_leaves_close_clean(table_and_rows, monkeypatch):
+    """Finding 5: hostRegister refused: the gather fails with that error and close() does not unregister the range
+    it never registered."""
+    import cupy as cp
+    path, _ = table_and_rows
+
+    def refuse(ptr, n, flags):
+        raise cp.cuda.runtime.CUDARuntimeError(2)       # cudaErrorMemoryAllocation
+    monkeypatch.setattr(cp.cuda.runtime, "hostRegister", refuse)
+    t = gg.open_table(path, config=gg.Config(platform="discrete"))
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError):
+        t.read_rows(cp.arange(0, 100), "direct")
+    t.close()                                           # raised cudaErrorHostMemoryNotRegistered before the fix
+    assert t.closed
+
+
+def test_gds_compat_reads_bypass_the_page_cache(table_and_rows):
+    """Finding 6: without real GPU-direct storage, KvikIO reads with O_DIRECT (auto_direct_io_read): a gds
+    gather of a file dropped from the page cache leaves its table pages out of it."""
+    kvikio = pytest.importorskip("kvikio")
+    import mmap
+    import os
+
+    import cupy as cp
+    import kvikio.defaults
+    from gds_gather import native
+    path, rows = table_and_rows
+    with gg.open_table(path) as t:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)                                    # dirty pages would stay cached
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        got = t.read_rows(cp.arange(0, rows.shape[0]), "gds")
+        np.testing.assert_array_equal(cp.asnumpy(got), rows)
+        how = t._sinks["gds@gds"].how
+        if "real GPU-direct" in how:
+            pytest.skip(f"real GPU-direct storage here: {how}")
+        if not hasattr(kvikio.defaults, "get") or "BUFFERED" in how:
+            pytest.skip(f"this KvikIO has no auto_direct_io_read: {how}")
+        assert "O_DIRECT" in how and kvikio.defaults.get("auto_direct_io_read") is True
+        lib, why = native.library()
+        if lib is None:
+            pytest.skip(why)
+        size = os.path.getsize(path)
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        view = np.frombuffer(mm, np.uint8)
+        try:
+            page = mmap.PAGESIZE
+            pages = np.arange(-(-t.data_offset // page), size // page, dtype=np.int64)
+            resident = native.mincore_rows(lib, view.ctypes.data, pages, np.ones_like(pages), page,
+                                           -(-size // page))
+        finally:
+            del view
+            mm.close()
+            os.close(fd)
+        assert resident.mean() < 0.5, f"{resident.mean():.0%} of the table's pages are in the page cache"
+
+
+def test_one_device_choice_per_table_and_streams_by_handle(table_and_rows, monkeypatch):
+    """Finding 7: gds_state is asked once per table (not twice per gather) and the last stream is compared by
+    handle (torch.cuda.current_stream() is a new wrapper per call)."""
+    import importlib
+    torch = pytest.importorskip("torch")
+    backends = importlib.import_module("gds_gather.backends")
+    calls = []
+    real = backends.gds_state
+    monkeypatch.setattr(backends, "gds_state", lambda: calls.append(1) or real())
+    path, rows = table_and_rows
+    ids = torch.as_tensor(_ids(rows.shape[0]), device="cuda")
+    with gg.open_table(path) as t:
+        t.read_rows(ids)
+        first = len(calls)
+        for _ in range(3):
+            got = t.read_rows(ids)
+        assert len(calls) == first
+        assert t._last_stream == torch.cuda.current_stream().cuda_stream
+        np.testing.assert_array_equal(got.cpu().numpy(), rows[_ids(rows.shape[0])])
+
+
+def test_prefill_probe_and_refused_wait_value_fall_back_to_eager(tmp_path, monkeypatch):
+    """Finding 8: on this GPU the wait/write-value probe passes (graphs); a driver that refuses cuStreamWaitValue32
+    makes the same prefill run eagerly, with the reason, and give the same per-layer inputs."""
+    torch = pytest.importorskip("torch")
+    from gds_gather import graph
+    from gds_gather.model import write_model
+    from gds_gather.pipeline import GpuPrefill
+    from gds_gather.prefill import RowMapper
+    path = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="IQ4_NL", rows=30000, progress=False)
+    outs = {}
+    with gg.open_table(path) as t:
+        mapper = RowMapper(t)
+        tokens = np.random.default_rng(0).integers(1, min(mapper.n_vocab, t.n_rows), 256 * 3)
+        for refused in (False, True):
+            if refused:
+                class Refusing:
+                    def __getattr__(self, name):
+                        return lambda *a: 801           # CUDA_ERROR_NOT_SUPPORTED
+                monkeypatch.setattr(graph, "_libcuda", lambda: Refusing())
+            pipe = GpuPrefill(t, mapper, backend="direct", ubatch=256, graph=True, dtype="float32", trunk="tiny")
+            try:
+                res = pipe.run(tokens, collect=True)
+            finally:
+                pipe.close()
+            assert res["graph"] is (not refused), res["graph_reason"]
+            if refused:
+                assert "801" in res["graph_reason"] and res["schedule"] == "eager"
+            else:
+                flags = graph.HostFlags(1)
+                flags.set(0, 1)
+                assert flags.host.tolist() == [1]
+            outs[refused] = res["outputs"]
+    for (p1, _), (p2, _) in zip(outs[False], outs[True]):
+        assert torch.equal(p1, p2)

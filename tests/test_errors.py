@@ -411,3 +411,31 @@ def test_duplicate_key_and_bad_alignment(tmp_path):
     for payload, vtype, match in ((struct.pack("<I", 48), 4, "power of two"), (struct.pack("<Q", 32), 10, "UINT32")):
         (tmp_path / "a.gguf").write_bytes(_header(0, 1, _kv("general.alignment", vtype, payload)) + bytes(64))
         _timed_open(tmp_path / "a.gguf", gg.HeaderError, match)
+
+
+def test_one_exception_hierarchy_in_errors_py():
+    """Every exception class of the package is defined in errors.py, derives from GatherError, and stays
+    importable from the module it used to live in."""
+    import ast
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    from gds_gather import errors
+    root = Path(gg.__file__).parent
+    elsewhere = []
+    for path in list(root.rglob("*.py")) + list((root.parent / "model").rglob("*.py")):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "Refused"))
+                    for b in node.bases):
+                elsewhere.append(f"{path.name}: {node.name}")
+    assert elsewhere == []
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert all(issubclass(c, gg.GatherError) for c in classes) and len(classes) >= 18
+    for module, name in (("arrays", "BadDtypeError"), ("tokenizer", "TokenizerError"),
+                         ("schedule", "StagingCapacityError"), ("text", "PromptError"),
+                         ("safe_write", "OutputPathError"), ("graph", "WaitValueRefused")):
+        assert getattr(importlib.import_module(f"gds_gather.{module}"), name) is getattr(errors, name)

@@ -376,6 +376,7 @@ def test_gather_rows_launch_plumbing(lib, monkeypatch):
         return launch
 
     monkeypatch.setattr(dg, "_cupy", lambda: _FakeCupy)
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)     # arrays.cupy_stream wraps the stream handle
     monkeypatch.setattr(dg, "_kernel", fake_kernel)
     monkeypatch.setattr(dg, "_dev_tables", {})
     monkeypatch.setattr(dg, "_dev_sms", {})

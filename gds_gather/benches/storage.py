@@ -95,9 +95,10 @@ class _StorageWorker:
         self.staging = Staging()
         if self.xfer == "cpu-gpu":
             import cupy as cp
+
+            from ..device import pin_staging
             self.cp = cp
-            self.staging.pin = lambda b: cp.cuda.runtime.hostRegister(b.ctypes.data, b.nbytes, 1)  # portable
-            self.staging.unpin = lambda b: cp.cuda.runtime.hostUnregister(b.ctypes.data)
+            pin_staging(self.staging, mapped=False)     # page-locked (portable) from its first ensure on
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.dev = cp.empty(self.slots * self.io, cp.uint8)
             self.events = [None, None]
@@ -114,19 +115,16 @@ class _StorageWorker:
     def _setup_kvikio(self, threads: int) -> None:
         import cupy as cp
         import kvikio
-        import kvikio.defaults
+
+        from ..device import configure_kvikio
         self.cp = cp
-        try:
-            kvikio.defaults.set({"num_threads": threads, "gds_threshold": 0})
-        except AttributeError:       # KvikIO < 25.02
-            kvikio.defaults.num_threads_reset(threads)
-            kvikio.defaults.gds_threshold_reset(0)
+        _, reads = configure_kvikio(threads)
         self.file = kvikio.CuFile(str(self.path), "r")
         self.dev = cp.empty(self.slots * self.io, cp.uint8)
         self.views = [self.dev[s * self.io:(s + 1) * self.io] for s in range(self.slots)]
         self.batch_max = max(self.slots, min(65536, 8 * self.slots))
         self.notes.append(f"KvikIO CuFile.pread, {threads} KvikIO threads, gds_threshold 0, one Python submitter "
-                          f"keeping {self.qd} reads in flight")
+                          f"keeping {self.qd} reads in flight; {reads}")
 
     # -- the timed part ----------------------------------------------------------------------------------------
     def offsets(self, n: int) -> np.ndarray:
@@ -327,9 +325,14 @@ def run_storage(a, cfg: Config) -> dict:
             ok, real, why = gds_state()
             if not ok:
                 skipped["gpu-direct"] = why
-            elif not real and "gpu-direct" in paths:
-                print(COMPAT_BANNER)
-                print(f"  ({why})")
+            elif "gpu-direct" in paths:
+                from ..device import configure_kvikio
+                real, reads = configure_kvikio(a.threads)
+                if not real:
+                    print(COMPAT_BANNER)
+                    print(f"  ({why})")
+                print(f"# gpu-direct reads: {reads}")
+                facts["kvikio_reads"] = reads
     how = f"{seconds:g} s" if not nbytes else f"{human_size(nbytes)}"
     print(fit(f"# {file_bytes / GiB:.2f} GiB file; {'random' if a.pattern == 'rand' else 'sequential'} reads; "
               f"threads {a.threads}; QD {a.qd}; {repeat} timed runs of {how} per configuration after {warmup:g} s of "
