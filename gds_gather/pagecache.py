@@ -54,6 +54,7 @@ import ctypes
 import mmap
 import os
 import platform
+import threading
 import time
 
 import logging
@@ -135,6 +136,17 @@ class Residency:
         self._none = False
         self.exact = 0                      # batches answered by per-row mincore
         self._exact_s = 0.0                 # their cost so far
+        # a new reader learns the span's residency in the background where anything is cached, so a new process's
+        # first batch on a warm file finds the map made; every use of the map (and close) waits for it first
+        self._learning = None
+        if self.trusted and (self.cached() or (1 << 62, 0))[0] > self._few():
+            self._learning = threading.Thread(target=self.refresh, name="gds-gather-residency", daemon=True)
+            self._learning.start()
+
+    def _learned(self) -> None:
+        if self._learning is not None:
+            self._learning.join()
+            self._learning = None
 
     def cached(self):
         """(pages of the span in the page cache, pages of the file evicted so far) from cachestat, or None where
@@ -189,6 +201,7 @@ class Residency:
         mincore cannot be trusted for this file: see _mincore_trusted)."""
         if not self.trusted:
             return None
+        self._learned()
         if self._per_row(unique_rows.shape[0], row_bytes):
             return self._rows_exact(unique_rows, row_bytes)
         if time.perf_counter() - self._last >= max(self.interval, 50 * self.cost):
@@ -208,6 +221,8 @@ class Residency:
         """Whether this batch asks mincore about its own rows (see EXACT_DIV): the native helper is there, the rows
         touch few pages, and the per-row calls so far cost less than one map refresh (measured, or estimated)."""
         pages = self.vec.shape[0]
+        if self.refreshes and time.perf_counter() - self._last < self.interval:
+            return False                            # a fresh map (e.g. learned in the background): use it
         refresh_s = self.cost if self.refreshes else pages * self.MINCORE_NS_PER_PAGE * 1e-9
         return (self._lib is not None and n_rows * (-(-row_bytes // PAGE) + 1) <= pages // self.EXACT_DIV
                 and self._exact_s < refresh_s)
@@ -259,6 +274,7 @@ class Residency:
         np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
 
     def close(self) -> None:
+        self._learned()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

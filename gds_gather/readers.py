@@ -377,7 +377,7 @@ class _FdReader(Reader):
         self.align = 1
         self.notices: list[str] = []
         self.inject = None          # tests: fault injection (io_uring: callable(res, idx); threads: (index, errno))
-        self._pc = None             # pagecache.Residency, made on first O_DIRECT read
+        self._pc = None             # pagecache.Residency of an O_DIRECT reader with page-cache reads
         self.last_from_page_cache = None   # bool [U] of the last O_DIRECT fetch: rows copied from the page cache
         self.during_io = None       # read(plan, during_io=f): f() runs once while the reads are in flight
         self._lock = threading.RLock()
@@ -407,6 +407,9 @@ class _FdReader(Reader):
         if self.staging is None:
             self.staging = Staging()
         self.staging.on_grow = _grow_hook(self)
+        if self.odirect and self.config.page_cache_reads:     # residency learned from now on, in the background
+            from .pagecache import Residency
+            self._pc = Residency(self.path, self.data_offset, self.n_bytes, config=self.config)
 
     def _registered(self, buf: np.ndarray) -> None:
         if self.ring is not None and not self.ring.register_buffer(buf):
@@ -452,11 +455,8 @@ class _FdReader(Reader):
 
     def _resident(self, plan: ReadPlan):
         """Rows the page cache holds (bool [U]), or None (page-cache reads off, or nothing resident)."""
-        if not self.config.page_cache_reads:
-            return None
         if self._pc is None:
-            from .pagecache import Residency
-            self._pc = Residency(self.path, self.data_offset, self.n_bytes, config=self.config)
+            return None
         return self._pc.rows_resident(plan.unique_rows, plan.row_bytes)
 
     def _fetch_mixed(self, plan: ReadPlan, res: np.ndarray):

@@ -147,6 +147,12 @@ class Table:
                          max_gap=self.config.max_gap if max_gap is None else max_gap,
                          max_window=self.config.max_window, max_waste=self.config.max_waste)
 
+    @_locked
+    def open_reader(self, backend: str = "auto") -> Reader:
+        """The host reader of `backend`, opened now (file, io_uring, page-cache residency learned in the background)
+        rather than by the first read: an engine's start-up, before a caller's clock starts."""
+        return self._reader(backend)
+
     def _reader(self, backend: str) -> Reader:
         if self.closed:
             raise ValueError(f"table {self.path} is closed")

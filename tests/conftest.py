@@ -21,6 +21,16 @@ os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="gds-gather-test
 os.environ.setdefault("GDS_GATHER_HOT_ROWS", "0")
 
 
+@pytest.fixture(autouse=True)
+def _hot_rows_only_where_asked(request, monkeypatch):
+    """Hot-row files (on by default for users) would carry one test's row cache into another's new cache, also for
+    Tables made with Config(...) directly: tests without the hot_rows marker neither read nor write them."""
+    if "hot_rows" not in request.keywords:
+        from gds_gather import hotrows
+        monkeypatch.setattr(hotrows, "load", lambda target, capacity: None)
+        monkeypatch.setattr(hotrows, "save", lambda target, ids, freq, rows: None)
+
+
 def _gpu_available() -> bool:
     try:
         import cupy

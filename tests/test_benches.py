@@ -146,12 +146,12 @@ def test_gather_bench_tiny(tmp_path, capsys):
     line, out = last_json(capsys)
     assert line["bench"] == "gather" and [t["label"] for t in line["tables"]] == ["qwen4exp geometry",
                                                                                  "gemma4-e4b geometry"]
-    assert line["passes"] == ["cold", "again", "warm"] and line["drop_caches"] is False
+    assert line["passes"] == ["cold", "again", "warm", "newproc", "restart"] and line["drop_caches"] is False
     for t, per_tok in zip(res["tables"], (16, 1)):
         assert t["ids"] == 512 * per_tok
         got = {(r["backend"], r["cache"]): r for r in t["runs"]}
-        want = {(b, p) for b in ("direct", "pread", "mmap", "readahead") for p in ("cold", "again", "warm")} | \
-            {("resident", "again"), ("resident", "warm")}
+        want = {(b, p) for b in ("direct", "pread", "mmap", "readahead")
+                for p in ("cold", "again", "warm", "newproc", "restart")} | {("resident", "again"), ("resident", "warm")}
         assert set(got) == want
         for r in t["runs"]:
             assert r["rows_per_s"] > 0 and r["ids"] == t["ids"] and 0 < r["unique"] <= r["ids"]
@@ -185,7 +185,12 @@ def test_gather_bench_tiny(tmp_path, capsys):
             assert got[("pread", "cold")]["bytes_delivered"] > got[("pread", "cold")]["useful_bytes"]
         # the warm pass ran on a page cache that holds the trace (an untimed buffered pass put it there)
         assert got[("direct", "warm")]["page_cache_before_MiB"] > 0
-        assert set(t["ratios"]) == {"cold", "again", "warm"}
+        assert set(t["ratios"]) == {"cold", "again", "warm", "newproc", "restart"}
+        # the new processes: engine start-up timed apart; the restart after direct's cold pass found its hot rows,
+        # the new process on a warm box had none (the files were removed) and read the page cache instead
+        assert got[("direct", "restart")]["hot_rows_loaded"] > 0 and got[("direct", "newproc")]["hot_rows_loaded"] == 0
+        assert got[("direct", "newproc")]["row_cache"]["rows_from_page_cache"] > 0
+        assert got[("direct", "restart")]["row_cache"]["rows_from_cache"] > 0
         assert t["ratios"]["cold"]["target"] is None and t["ratios"]["again"]["vs"] == "mmap"   # --quick: no targets
     assert "ns/gather" in out and "ratios (median rows/s):" in out and "(target >=" not in out
     assert "so no PASS/MISS verdicts" in out and "PASS (target" not in out and "MISS (target" not in out

@@ -17,6 +17,7 @@ from gds_gather import hotrows, measure, rowcache
 from gds_gather.config import Config
 from gds_gather.quants import GGMLQuantizationType as Q
 
+pytestmark = pytest.mark.hot_rows
 N_ROWS, WIDTH = 4000, 64
 G = {}      # the conftest helpers (ggufs fixture), for the module-level functions below
 
