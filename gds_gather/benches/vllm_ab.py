@@ -67,16 +67,20 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(model_dir, *, n_prompts: int = 4, prompt_len: int = 32, max_tokens: int = 16, bench_prompt_len: int = 512,
-        bench_batch: int = 8, decode_tokens: int = 64, repeat: int = 3, kv_cache_bytes: int = 256 << 20) -> dict:
-    """One vLLM engine (whatever GDS_GATHER_VLLM says): the figures as a dict."""
+        bench_batch: int = 8, decode_tokens: int = 64, repeat: int = 3, kv_cache_bytes: int = 256 << 20,
+        compiled: int = 0) -> dict:
+    """One vLLM engine (whatever GDS_GATHER_VLLM says): the figures as a dict. compiled=1: vLLM's torch.compile,
+    and on CUDA piecewise CUDA graphs (full graphs would capture the host-planned lookup of the text class)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine in this process: RSS, apply_model
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     import psutil
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes,
-              enable_prefix_caching=False, max_model_len=2048, seed=0)
+    import torch
+    extra = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}} if compiled and torch.cuda.is_available() else {}
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=not compiled, seed=0,
+              kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=False, max_model_len=2048, **extra)
     start_s = time.perf_counter() - t0
     rss = psutil.Process().memory_info().rss           # a fixed KV cache: the rest is the model and the runtime
     hf = llm.llm_engine.model_config.hf_text_config
@@ -114,7 +118,8 @@ def run(model_dir, *, n_prompts: int = 4, prompt_len: int = 32, max_tokens: int 
         pre.append(b - a)
         dec.append((c - b) - (b - a))
     res = {"model": str(model_dir), "plugin": os.environ.get("GDS_GATHER_VLLM", "0") == "1", "tokens": tokens,
-           "engine_start_s": start_s, "rss_bytes": rss,
+           "engine_start_s": start_s, "rss_bytes": rss, "compiled": bool(compiled),
+           "device": str(next(iter(llm.apply_model(lambda m: str(next(m.parameters()).device))))),
            "prefill_tok_per_s": bench_batch * bench_prompt_len / statistics.median(pre),
            "decode_tok_per_s": bench_batch * (decode_tokens - 1) / statistics.median(dec),
            "bench": {"batch": bench_batch, "prompt_len": bench_prompt_len, "decode_tokens": decode_tokens,
@@ -123,17 +128,20 @@ def run(model_dir, *, n_prompts: int = 4, prompt_len: int = 32, max_tokens: int 
     return res
 
 
-def run_subprocess(model_dir, plugin: bool, python: str = sys.executable, timeout: float = 600, **kw) -> dict:
-    """`run` in a fresh process with GDS_GATHER_VLLM set (vLLM reads plugins once per process)."""
-    env = dict(os.environ, GDS_GATHER_VLLM="1" if plugin else "0")
+def run_subprocess(model_dir, plugin: bool, python: str = sys.executable, timeout: float = 600, env=None,
+                   **kw) -> dict:
+    """`run` in a fresh process with GDS_GATHER_VLLM set (vLLM reads plugins once per process); env: more
+    variables (e.g. GDS_GATHER_VLLM_TABLE). The result has the run's output (vLLM's log) as "log"."""
+    env = dict(os.environ, **(env or {}), GDS_GATHER_VLLM="1" if plugin else "0")
     args = [python, "-m", "gds_gather.benches.vllm_ab", "run", str(model_dir), "--json"]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    res["log"] = p.stderr
+    lines = p.stdout.strip().splitlines()
+    res = json.loads(lines[-1])
+    res["log"] = "\n".join(lines[:-1]) + "\n" + p.stderr      # vLLM logs to stdout
     return res
 
 
@@ -171,6 +179,7 @@ def main(argv=None) -> int:
     t.add_argument("kind", choices=["gemma4", "gemma3n"])
     t.add_argument("dir")
     t.add_argument("--vocab", type=int, default=65536)
+    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--multimodal", action="store_true", help="Gemma4ForConditionalGeneration (a vision tower)")
     for name in ("run", "ab"):
         r = sub.add_parser(name)
@@ -179,12 +188,14 @@ def main(argv=None) -> int:
         r.add_argument("--bench-prompt-len", type=int, default=512)
         r.add_argument("--bench-batch", type=int, default=8)
         r.add_argument("--decode-tokens", type=int, default=64)
+        r.add_argument("--compiled", type=int, default=0, help="1: torch.compile (and CUDA graphs on CUDA)")
     sub.choices["ab"].add_argument("--repeat", type=int, default=3)
     a = ap.parse_args(argv)
     if a.cmd == "tiny":
-        print(tiny(a.kind, a.dir, a.vocab, multimodal=a.multimodal))
+        print(tiny(a.kind, a.dir, a.vocab, seed=a.seed, multimodal=a.multimodal))
         return 0
-    kw = dict(bench_prompt_len=a.bench_prompt_len, bench_batch=a.bench_batch, decode_tokens=a.decode_tokens)
+    kw = dict(bench_prompt_len=a.bench_prompt_len, bench_batch=a.bench_batch, decode_tokens=a.decode_tokens,
+              compiled=a.compiled)
     res = run(a.dir, **kw) if a.cmd == "run" else ab(a.dir, a.repeat, log=None if a.json else print, **kw)
     if a.json:
         print(json.dumps(res))
