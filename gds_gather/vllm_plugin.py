@@ -100,6 +100,9 @@ def _ple_on_disk(module, vllm_config, top_level: bool):
             return real(num_embeddings, embedding_dim, *args, prefix=prefix, **kw)
         if top_level:
             _split_at_lookup(vllm_config)
+        if isinstance(vllm_config.additional_config, dict):
+            # a factor of vLLM's compile-cache key: graphs traced with the op are not loaded without it, or back
+            vllm_config.additional_config["gds_gather_ple"] = "disk"
         return PerLayerEmbedding.open(vllm_config, num_embeddings, embedding_dim, prefix)
 
     module.VocabParallelEmbedding = build
