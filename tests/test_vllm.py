@@ -82,13 +82,18 @@ def test_op_is_opaque_to_torch_compile(table_dir, bf16_default):
     assert torch.equal(f(ids)[3], (w[0].to(torch.bfloat16) * scale).reshape(4, 24))
 
 
-def test_table_that_does_not_fit(table_dir, bf16_default):
+def test_table_that_does_not_fit(table_dir, bf16_default, tmp_path, monkeypatch):
+    from gds_gather.convert import convert
     from gds_gather.vllm_plugin import PerLayerEmbedding
     path, _ = table_dir
     with pytest.raises(ModelMismatchError, match="1,000 rows x 96"):
         PerLayerEmbedding.open(_vllm_config(path), 1000, 128, "bad.embed_tokens_per_layer")
     with pytest.raises(ModelMismatchError, match="1,000 rows x 96"):
         PerLayerEmbedding.open(_vllm_config(path), 2000, 96, "bad.embed_tokens_per_layer")
+    convert(path, tmp_path / "q8.gguf", "Q8_0", progress=False)
+    monkeypatch.setenv("GDS_GATHER_VLLM_TABLE", str(tmp_path / "q8.gguf"))      # the table from the environment
+    with pytest.raises(ModelMismatchError, match="a Q8_0 table cannot give the model's torch.bfloat16 rows"):
+        PerLayerEmbedding.open(_vllm_config(path), 1000, 96, "bad.embed_tokens_per_layer")
 
 
 # -- vLLM's CPU engine, in its venv ----------------------------------------------------------------------------------
@@ -151,6 +156,18 @@ def test_vllm_another_table_changes_generation(checkpoints, tmp_path):
     other = _engine(checkpoints["gemma4"], plugin=True, table=str(tmp_path / "model.safetensors"))
     assert str(tmp_path) in other["log"]
     assert other["tokens"] != base["tokens"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_converted_gguf_table(checkpoints, tmp_path):
+    """The table from `gds-gather convert` (the table alone, llama.cpp's name) serves the same tokens."""
+    from gds_gather.convert import convert
+    gguf = tmp_path / "ple.gguf"
+    assert convert(checkpoints["gemma4"], gguf, progress=False)["exact"]
+    on = _engine(checkpoints["gemma4"], plugin=True, table=str(gguf))
+    assert "(per_layer_token_embd.weight, F32)" in on["log"] and on["rows_read"] > 0
+    assert on["tokens"] == _engine(checkpoints["gemma4"], plugin=False)["tokens"]
 
 
 @pytest.mark.gpu
