@@ -53,6 +53,17 @@ def bf16_default():
     torch.set_default_dtype(old)
 
 
+def test_config_from_env():
+    from pathlib import Path
+
+    from gds_gather.config import Config
+    cfg = Config.from_env({"GDS_GATHER_VLLM": "1", "GDS_GATHER_VLLM_TABLE": "/Models/PLE.gguf"})
+    assert cfg.vllm == 1 and cfg.vllm_table == Path("/Models/PLE.gguf")      # a path keeps its case
+    assert Config.from_env({}).vllm == 0 and Config.from_env({}).vllm_table is None
+    with pytest.raises(ValueError, match="GDS_GATHER_VLLM"):
+        Config.from_env({"GDS_GATHER_VLLM": "2"})
+
+
 def test_rows_are_the_weights_rows(table_dir, bf16_default):
     from gds_gather.vllm_plugin import PerLayerEmbedding
     path, w = table_dir
