@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 
 from gds_gather import benches  # noqa: E402
 
-DEFAULTS = ["--tables", "qwen4exp", "--trace", "random", "--warm", "tmpfs", "--targets", "--json-name", "bench_io.json"]
+DEFAULTS = ["--tables", "qwen4exp", "--trace", "random", "--warm", "tmpfs", "--targets", "--json-name", "bench_io.json",
+            "--no-newproc", "--no-restart"]     # the I/O targets: in-process passes only
 
 
 def main(argv=None) -> dict:

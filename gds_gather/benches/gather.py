@@ -238,7 +238,8 @@ def cache_line(rc: dict | None) -> str | None:
         if isinstance(v, (int, float)) and "bytes" in k:
             return f"{k} {v / MiB:,.1f} MiB"
         return f"{k} {v:,.0f}" if isinstance(v, (int, float)) else f"{k} {v}"
-    return fit("               row cache: " + ", ".join(fmt(k, v) for k, v in rc.items()), " " * 27)
+    return fit("               row cache: " + ", ".join(fmt(k, v) for k, v in rc.items() if k != "hot_rows_file"),
+               " " * 27)
 
 
 def _gpu_stream(backends):
@@ -590,7 +591,8 @@ def _plot_gather(res: dict, out) -> None:
         backends, passes, pick = panel_series(res["backends"], t["runs"], ALL_PASSES)
         vals = {b: [pick(b, p, "rows_per_s") for p in passes] for b in backends}
         every = {b: [pick(b, p, "rows_per_s_all") or [0.0] for p in passes] for b in backends}
-        names = {"cold": "cold\n(new table)", "again": "same table\nagain", "warm": "new table,\nwarm page cache"}
+        names = {"cold": "cold\n(new table)", "again": "same table\nagain", "warm": "new table,\nwarm page cache",
+                 "newproc": "new process,\nwarm box", "restart": "restart"}
         bars(ax, [names[p] for p in passes], backends, vals, lo={b: [min(x) for x in every[b]] for b in backends},
              hi={b: [max(x) for x in every[b]] for b in backends}, log=True,
              ylabel="rows gathered per second (median)")
