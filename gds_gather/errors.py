@@ -50,3 +50,7 @@ class NotSafetensorsError(NotGGUFError):
 
 class ModelMismatchError(GatherError, ValueError):
     """A model and a table that do not fit: no per-layer embedding, or rows, width or dtype that differ."""
+
+
+class TableClosedError(GatherError, ValueError):
+    """A table used after close(): a model whose per-layer embedding it served cannot run any more."""

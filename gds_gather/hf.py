@@ -34,18 +34,21 @@ import torch
 
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import BadIdsError, ModelMismatchError
+from .errors import BadIdsError, ModelMismatchError, TableClosedError
+from . import quants
 from .quants import Q
 from .table import Table, open_table
 
 log = logging.getLogger(__name__)
 
-# table types whose rows become the weight dtype exactly (F32: transformers' own load-time cast, round to nearest)
-EXACT_TYPES = {torch.float32: (Q.F32,), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
+# table types whose rows become the weight dtype exactly: every widening (BF16/F16 -> float32), and F32 -> any
+# (transformers' own load-time cast, round to nearest)
+EXACT_TYPES = {torch.float32: (Q.F32, Q.F16, Q.BF16), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
 
 
-def per_layer_embedding(model):
-    """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one."""
+def per_layer_embedding(model, stand_in=None):
+    """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one (or,
+    with stand_in, when the module is not of that type)."""
     get = getattr(model, "get_per_layer_input_embeddings", None)
     module = None
     if callable(get):
@@ -57,6 +60,8 @@ def per_layer_embedding(model):
     if module is None:
         raise ModelMismatchError(f"{name} has no per-layer embeddings (embed_tokens_per_layer): only Gemma 4 "
                                  f"E2B/E4B and Gemma 3n models carry a PLE table")
+    if stand_in is not None and not isinstance(module, stand_in):
+        raise ModelMismatchError(f"{name}'s per-layer embedding is a {type(module).__name__}, not {stand_in.__name__}")
     if isinstance(module, DiskEmbedding):
         raise ModelMismatchError(f"{name}'s per-layer embeddings are already on disk ({module.table.path})")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -97,6 +102,10 @@ class DiskEmbedding(torch.nn.Module):
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows in the weight dtype, shape ids.shape + (embedding_dim,), on the ids' device."""
+        if self.table.closed:
+            raise TableClosedError(f"the per-layer embedding table {self.table.path} was closed (handle.close(), or "
+                                   f"the end of a `with` block): this model cannot compute its per-layer inputs any "
+                                   f"more; load it again (gds_gather.hf.from_pretrained) or keep the handle open")
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
         self._check(ids_np)
         if input_ids.device.type == "cuda":
@@ -235,21 +244,56 @@ def _check_fit(table: Table, module, cfg, weight_dtype, allow_quantized: bool) -
                                  f"checkpoint without --qtype)")
 
 
-def _verify(table: Table, weight, weight_dtype, n: int, allow_quantized: bool) -> tuple[int, float, float]:
-    """Compare n sampled table rows (first, last, random) with the resident weight: (rows, max |err|, RMS err)."""
-    if n <= 0 or weight.device.type == "meta":
+# A lossy table's error bound, per element, from its type: (levels, factor): error <= factor x the quantization step,
+# step = the block's max |value| / levels (the block of the type's geometry, of the model's own rows). Q8_0: d =
+# amax / 127, q = round(x / d), stored d rounded to f16, so |x - q d16| <= d / 2 + 127 |d - d16| <= 0.57 d; Q4_0 and
+# Q5_0 clip the top level (up to one step); Q4_1 / Q5_1: d = range / (2^b - 1) <= 2 amax / (2^b - 1), half a step
+# plus the f16 min. Types gguf cannot write (K-quants, IQ*, FP4) get a whole coarse step: generous, still far below
+# another model's rows (errors of the rows' own size).
+LOSSY_BOUNDS = {Q.Q8_0: (127, 0.6), Q.Q4_0: (8, 1.05), Q.Q5_0: (16, 1.05), Q.Q4_1: (7.5, 0.6), Q.Q5_1: (15.5, 0.6),
+                Q.Q6_K: (31, 1.0), Q.Q5_K: (15.5, 1.0), Q.Q4_K: (7.5, 1.0), Q.Q3_K: (4, 1.0), Q.Q2_K: (1.5, 1.0),
+                Q.IQ4_NL: (8, 1.0), Q.IQ4_XS: (8, 1.0), Q.IQ3_XXS: (4, 1.0), Q.IQ3_S: (4, 1.0), Q.IQ2_XXS: (2, 1.0),
+                Q.IQ2_XS: (2, 1.0), Q.IQ2_S: (2, 1.0), Q.IQ1_S: (1, 1.0), Q.IQ1_M: (1, 1.0), Q.TQ1_0: (1, 0.6),
+                Q.TQ2_0: (1, 0.6), Q.MXFP4: (3, 1.0), Q.NVFP4: (3, 1.0)}
+FLOAT_BOUNDS = {Q.F32: 0.0, Q.F16: 2.0 ** -10, Q.BF16: 2.0 ** -8}    # relative (about one ulp of the narrower type)
+
+
+def error_bound(qtype, want: torch.Tensor) -> torch.Tensor:
+    """The most each element of a `qtype` table may differ from the model's own float rows `want` [n, width]."""
+    want = want.double()
+    if qtype in FLOAT_BOUNDS:
+        return want.abs() * FLOAT_BOUNDS[qtype] + (2.0 ** -24 if qtype == Q.F16 else 0.0)   # (f16 subnormals)
+    levels, factor = LOSSY_BOUNDS.get(qtype, (1, 1.0))
+    block = quants.block_geometry(qtype)[0]
+    amax = want.reshape(want.shape[0], -1, block).abs().amax(dim=2, keepdim=True)
+    step = amax / levels + 2.0 ** -24          # (+ an f16 scale's subnormal rounding)
+    return (factor * step).expand(-1, -1, block).reshape(want.shape)
+
+
+def _verify(table: Table, own_rows, vocab: int, weight_dtype, n: int) -> tuple[int, float, float]:
+    """Compare n sampled rows (first, last, random) of the table with the model's own rows (own_rows(ids) -> float
+    rows: the resident weight, or the checkpoint's table): (rows, max |err|, RMS err). An exact type must give the
+    weight dtype's rows exactly, a lossy one stay within error_bound; otherwise it is another model's table:
+    ModelMismatchError, whatever allow_quantized says."""
+    if n <= 0:
         return 0, float("nan"), float("nan")
-    vocab = weight.shape[0]
     ids = np.unique(np.concatenate([[0, vocab - 1], np.random.default_rng(0).integers(0, vocab, max(n - 2, 0))]))
-    got = torch.from_numpy(table.gather(ids)).to(weight_dtype)
-    want = weight.detach()[torch.from_numpy(ids).to(weight.device)].cpu()
+    got = torch.from_numpy(table.gather(ids))
+    want = own_rows(ids).cpu()
     diff = (got.double() - want.double()).abs()
     max_err = float(diff.max()) if diff.numel() else 0.0
     rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
-    if not torch.equal(got, want) and not allow_quantized:
+    if table.qtype in EXACT_TYPES.get(weight_dtype, ()):
+        ok = torch.equal(got.to(weight_dtype), want.to(weight_dtype))
+        what = f"{table.qtype.name} rows must equal the model's {weight_dtype} rows"
+    else:
+        bound = error_bound(table.qtype, want)
+        ok = bool((diff <= bound).all())
+        what = f"more than the {table.qtype.name} error bound (max {float(bound.max()):.3g} on these rows)"
+    if not ok:
         bad = int(ids[int(diff.amax(dim=1).argmax())])
-        raise ModelMismatchError(f"{table.path}: sampled rows differ from the model's weights (row {bad}: max |diff| "
-                                 f"{max_err:.3g}): not this model's table, or a lossy one (allow_quantized=True)")
+        raise ModelMismatchError(f"{table.path}: sampled rows differ from the model's own ({what}; row {bad}: "
+                                 f"max |diff| {max_err:.3g}): a table of another model")
     return len(ids), max_err, rms
 
 
@@ -264,8 +308,9 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
     tensor: the table's name in the file (default: found by name: per_layer_token_embd.weight in a GGUF,
         *embed_tokens_per_layer.weight in safetensors).
     allow_quantized: accept a table that cannot reproduce the weights exactly (quantized, or a narrower float).
-    verify_rows: rows compared against the resident weight before it is freed (0: none); a mismatch raises
-        ModelMismatchError unless allow_quantized, which records the error instead (handle.max_abs_error).
+    verify_rows: rows compared against the resident weight before it is freed (0: none): an exact type must match
+        exactly, a lossy one stay within its type's error bound (error_bound; handle.max_abs_error records the
+        error); otherwise ModelMismatchError, whatever allow_quantized says.
     keep_original: keep the original module (handle.use() swaps, handle.release() frees it later).
 
     Raises ModelMismatchError for a model without per-layer embeddings or a table whose rows, width or dtype do
@@ -283,7 +328,9 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
         open_table(source, tensor, config=config) if tensor else open_table(source, config=config))
     try:
         _check_fit(table, module, cfg, weight_dtype, allow_quantized)
-        verified, max_err, rms = _verify(table, weight, weight_dtype, verify_rows, allow_quantized)
+        verified, max_err, rms = (0, float("nan"), float("nan")) if weight.device.type == "meta" else _verify(
+            table, lambda ids: weight.detach()[torch.from_numpy(ids).to(weight.device)], module.num_embeddings,
+            weight_dtype, verify_rows)
         scale = getattr(module, "embed_scale", None)
         if not isinstance(scale, torch.Tensor):
             scale = torch.tensor(float(getattr(module, "scalar_embed_scale", 1.0)), device=weight.device)
@@ -303,6 +350,141 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
     log.info("per-layer embedding of %s on disk: %s (%s), %d bytes freed, backend %s (%s)", type(model).__name__,
              table.path, table.qtype.name, handle.bytes_freed, handle.backend, handle.why)
     return handle
+
+
+# ---- loading a model without its table: gds_gather.hf.from_pretrained -------------------------------------------
+
+PLE_KEY_PATTERN = r"embed_tokens_per_layer\.weight$"     # the checkpoint key left unread (text and multimodal)
+
+
+class _NotLoaded(torch.nn.Module):
+    """Stands where the per-layer embedding is while transformers loads the rest: no parameter, so the checkpoint's
+    table is an unexpected key that transformers never reads (nor allocates on any device)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(module.num_embeddings), int(module.embedding_dim)
+        self.padding_idx = getattr(module, "padding_idx", None)
+        self.scalar_embed_scale = float(getattr(module, "scalar_embed_scale", 1.0))
+
+    def forward(self, input_ids):
+        raise ModelMismatchError("the per-layer embedding was not loaded (gds_gather.hf.from_pretrained did not finish)")
+
+
+def _without_table(cls):
+    """A subclass of the model class whose instances swap their per-layer embedding for _NotLoaded right after
+    construction (on the meta device, inside transformers' from_pretrained), before any weight is loaded."""
+    def __init__(self, config, *args, **kwargs):
+        cls.__init__(self, config, *args, **kwargs)
+        module, _ = per_layer_embedding(self)
+        self.set_per_layer_input_embeddings(_NotLoaded(module))
+        self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | {
+            PLE_KEY_PATTERN}
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _model_class(model_class, name_or_path, kwargs):
+    """The concrete transformers class: model_class itself, or what an Auto class (default AutoModelForCausalLM)
+    maps the checkpoint's config to. The config is loaded once and passed on to from_pretrained."""
+    import transformers
+    auto = model_class or transformers.AutoModelForCausalLM
+    if not hasattr(auto, "_model_mapping"):
+        return auto
+    config = kwargs.get("config")
+    if config is None or isinstance(config, (str, Path)):
+        hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                      "subfolder", "proxies", "trust_remote_code") if k in kwargs}
+        config = transformers.AutoConfig.from_pretrained(config or name_or_path, **hub)
+        kwargs["config"] = config
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:
+        raise ModelMismatchError(f"{name_or_path}: {auto.__name__} has no model class for "
+                                 f"{type(config).__name__}; pass model_class=") from None
+
+
+def checkpoint_path(name_or_path, cache_dir=None, revision=None, subfolder: str = "") -> Path | None:
+    """The local safetensors checkpoint (index or single file) of a model directory or a hub id (resolved in the
+    local Hugging Face cache only: after transformers loaded the model, its files are there); None without one."""
+    from .safetensors_file import INDEX, SINGLE
+    p = Path(name_or_path) / subfolder
+    if p.is_dir():
+        return next((p / f for f in (INDEX, SINGLE) if (p / f).is_file()), None)
+    from huggingface_hub import try_to_load_from_cache
+    for f in (INDEX, SINGLE):
+        got = try_to_load_from_cache(str(name_or_path), f"{subfolder}/{f}" if subfolder else f,
+                                     cache_dir=cache_dir, revision=revision)
+        if isinstance(got, str):
+            return Path(got)
+    return None
+
+
+def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_class=None,
+                    allow_quantized: bool = False, verify_rows: int = 64, config: Config | None = None,
+                    **kwargs):
+    """A transformers model loaded without its per-layer embedding table, which is gathered from disk instead.
+
+    The table is never allocated nor read whole, on any device: the model is built with a parameterless stand-in
+    for ``embed_tokens_per_layer`` (its checkpoint key stays unread), then gets a DiskEmbedding on `table`.
+
+    name_or_path: a model directory or a hub id (transformers resolves it: from the Hugging Face cache, and
+        downloads only where transformers itself would).
+    table: a GGUF (e.g. from ``gds-gather convert``), a safetensors checkpoint or an open Table; default the
+        checkpoint itself. Another file is checked against `verify_rows` sampled rows of the checkpoint.
+    model_class: the transformers class or Auto class (default AutoModelForCausalLM; e.g.
+        Gemma4ForConditionalGeneration for the multimodal model).
+    allow_quantized: accept a quantized or narrower table (its rows are still checked against the checkpoint's
+        within the type's own error bound: another model's table is refused).
+    kwargs: passed to transformers' from_pretrained (dtype, device_map, attn_implementation, cache_dir, ...).
+
+    Returns the model; ``model.gds_gather`` is its OffloadHandle (stats, close). The table closes with the model;
+    after handle.close() the model's forward raises TableClosedError.
+    """
+    cls = _model_class(model_class, name_or_path, kwargs)
+    kwargs.setdefault("dtype", "auto")
+    model = _without_table(cls).from_pretrained(name_or_path, **kwargs)
+    model.__class__ = cls           # (the subclass only changed __init__: the user gets the plain class)
+    stand_in, cfg = per_layer_embedding(model, _NotLoaded)
+    ckpt = checkpoint_path(name_or_path, kwargs.get("cache_dir"), kwargs.get("revision"), kwargs.get("subfolder", ""))
+    source = table if table is not None else ckpt
+    if source is None:
+        raise ModelMismatchError(f"{name_or_path}: no safetensors checkpoint found to read the table from: pass table=")
+    weight_dtype = model.get_input_embeddings().weight.dtype     # what transformers gave the other weights
+    device = model.get_input_embeddings().weight.device
+    t = source if isinstance(source, Table) else open_table(source, config=config)
+    try:
+        _check_fit(t, stand_in, cfg, weight_dtype, allow_quantized)
+        same = ckpt is not None and Path(t.path).resolve() == _table_file(ckpt).resolve()
+        if same or ckpt is None or verify_rows <= 0:
+            verified, max_err, rms = 0, (0.0 if same else float("nan")), (0.0 if same else float("nan"))
+            if not same:
+                log.warning("%s: table not checked against the checkpoint (%s)", t.path,
+                            "no checkpoint" if ckpt is None else "verify_rows=0")
+        else:
+            with open_table(ckpt, config=config) as own:
+                verified, max_err, rms = _verify(t, lambda ids: torch.from_numpy(own.gather(ids)),
+                                                 stand_in.num_embeddings, weight_dtype, verify_rows)
+        scale = torch.tensor(stand_in.scalar_embed_scale, device=device)
+        disk = DiskEmbedding(t, stand_in.num_embeddings, stand_in.embedding_dim, weight_dtype, scale,
+                             stand_in.padding_idx, backend)
+    except BaseException:
+        if not isinstance(source, Table):
+            t.close()
+        raise
+    model.set_per_layer_input_embeddings(disk)
+    model.gds_gather = OffloadHandle(model, disk, None, model.set_per_layer_input_embeddings,
+                                     t.n_rows * t.row_elems * torch.empty(0, dtype=weight_dtype).element_size(),
+                                     verified, max_err, rms)
+    log.info("%s loaded without its per-layer embedding: rows from %s (%s), backend %s (%s)", type(model).__name__,
+             t.path, t.qtype.name, model.gds_gather.backend, model.gds_gather.why)
+    return model
+
+
+def _table_file(ckpt: Path) -> Path:
+    """The file holding the checkpoint's per-layer embedding (the shard, for an index)."""
+    from .safetensors_file import find_table_tensor
+    return Path(find_table_tensor(ckpt)[0].path)
 
 
 def parameter_bytes(model) -> int:

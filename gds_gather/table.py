@@ -13,7 +13,8 @@ import numpy as np
 from . import arrays, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import BackendError, BadIdsError, HeaderError, TruncatedFileError, UnsupportedTypeError
+from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, TruncatedFileError,
+                     UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
 from .readers import GDS_ALIGN, HOST_READERS, Reader, default_align
@@ -140,7 +141,7 @@ class Table:
 
     def _reader(self, backend: str) -> Reader:
         if self.closed:
-            raise ValueError(f"table {self.path} is closed")
+            raise TableClosedError(f"table {self.path} is closed")
         name, why = resolve(backend, self.config)
         r = self._readers.get(name)
         if r is None:

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gds_gather import BadIdsError, GatherError, open_table  # noqa: E402
+from gds_gather import BadIdsError, GatherError, TableClosedError, open_table  # noqa: E402
 from gds_gather.cli import main  # noqa: E402
 from gds_gather.convert import convert  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
@@ -255,17 +255,25 @@ def test_mismatches_are_clear(models, tmp_path):
         with pytest.raises(ModelMismatchError, match=match):
             offload_per_layer_embeddings(model, src)
         assert model.get_per_layer_input_embeddings().weight.numel() > 0     # untouched on error
-    # a narrower float table than the weights: lossy, refused unless allowed
+    # the bf16 copy's table on the float32 model: an exact type (a widening) whose rows are not these: refused
     model = load(path)
-    with pytest.raises(ModelMismatchError, match="BF16 table cannot give the model's torch.float32"):
+    with pytest.raises(ModelMismatchError, match="BF16 rows must equal the model's torch.float32 rows"):
         offload_per_layer_embeddings(model, models["gemma4", "bfloat16"])
+    # a narrower float table than the weights (F16 for bfloat16): lossy, refused unless allowed, then bounded
+    bf = load(models["gemma4", "bfloat16"])
+    f16 = tmp_path / "f16.gguf"
+    convert(models["gemma4", "bfloat16"], f16, "F16", progress=False)
+    with pytest.raises(ModelMismatchError, match="F16 table cannot give the model's torch.bfloat16 rows exactly"):
+        offload_per_layer_embeddings(bf, f16)
+    with offload_per_layer_embeddings(bf, f16, allow_quantized=True) as h:
+        assert h.verified_rows > 2 and h.max_abs_error >= 0
     # already offloaded; ids out of range; a closed table
     with offload_per_layer_embeddings(model, path):
         with pytest.raises(ModelMismatchError, match="already on disk"):
             offload_per_layer_embeddings(model, path)
         with pytest.raises(BadIdsError):
             model.get_per_layer_input_embeddings()(torch.tensor([[1, VOCAB]]))
-    with pytest.raises((GatherError, ValueError), match="closed"):
+    with pytest.raises(TableClosedError, match="was closed .* load it again"):
         model.get_per_layer_input_embeddings()(torch.tensor([[1, 2]]))
     assert issubclass(ModelMismatchError, GatherError)
 
