@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 EXACT_TYPES = {torch.float32: (Q.F32, Q.F16, Q.BF16), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
 
 
+SMALL_BATCH = 64       # ids per call served by Table.read_unique (no plan on row-cache hits): decode steps
+FLOAT_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
 def per_layer_embedding(model, stand_in=None):
     """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one (or,
     with stand_in, when the module is not of that type)."""
@@ -110,10 +114,31 @@ class DiskEmbedding(torch.nn.Module):
         self._check(ids_np)
         if input_ids.device.type == "cuda":
             return self._rows_cuda(input_ids, ids_np)
-        plan = self.table.plan(ids_np)
-        self.row_ids += plan.n_ids
-        self.rows_read += plan.n_unique
-        return torch.from_numpy(self.table.gather_plan(plan, self.backend)).to(self.weight_dtype)
+        flat = ids_np.reshape(-1)
+        if flat.shape[0] <= SMALL_BATCH:        # a decode step: no plan where the row cache holds the rows
+            unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
+            raw = self.table.read_unique(unique, self.backend)
+        else:
+            plan = self.table.plan(ids_np)
+            unique, inverse = plan.unique_rows, plan.inverse
+            raw = self.table.read_plan(plan, self.backend)
+        self.row_ids += flat.shape[0]
+        self.rows_read += unique.shape[0]
+        rows = self._as_torch(raw)
+        if inverse is not None:
+            rows = rows.index_select(0, torch.from_numpy(inverse.reshape(-1)))
+        return rows.reshape(tuple(input_ids.shape) + (self.embedding_dim,))
+
+    def _as_torch(self, raw: np.ndarray) -> torch.Tensor:
+        """Raw rows -> torch rows in the weight dtype: a float table's bytes are viewed as its torch dtype and cast
+        (exactly gguf's dequantization, without its per-call overhead); a quantized one is dequantized."""
+        t = self.table
+        as_dtype = FLOAT_TORCH.get(t.qtype)
+        if as_dtype is not None:
+            rows = torch.from_numpy(np.ascontiguousarray(raw)).view(as_dtype).reshape(raw.shape[0], -1)
+        else:
+            rows = torch.from_numpy(quants.dequantize_rows(raw, t.qtype, t.row_elems))
+        return rows.to(self.weight_dtype)
 
     def _rows_cuda(self, input_ids: torch.Tensor, ids_np: np.ndarray) -> torch.Tensor:
         """Table.gather's GPU flavour: rows read into GPU memory, dequantized by the CUDA kernel on the current

@@ -230,6 +230,19 @@ class Table:
         return rowcache.read_through(self, self._reader(backend), plan)   # cache hits + fresh reads
 
     @_locked
+    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
+        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
+        where the row cache holds every row (a decode step's few tokens)."""
+        rows = np.asarray(rows, np.int64)
+        if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows
+                              or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
+            raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
+        if self._last_stream is not _NO_GPU:     # (as read_plan)
+            arrays.cupy_stream(self._last_stream).synchronize()
+            self._last_stream = _NO_GPU
+        return rowcache.read_unique(self, self._reader(backend), rows)
+
+    @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):
         """The raw quantized rows behind `ids`: uint8 of shape ids.shape + (row_bytes,).
 
