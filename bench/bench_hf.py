@@ -57,6 +57,7 @@ def make_model(path, kind: str = "gemma4", vocab: int = 262144, n_layer: int = 4
                     v = rng.standard_normal(tuple(p.shape), dtype=np.float32) * 0.05 + (1.0 if p.ndim <= 1 else 0.0)
                     p.data = torch.from_numpy(np.asarray(v, np.float32)).to(torch.bfloat16)
         model.get_per_layer_input_embeddings().embed_scale.fill_(per_layer ** 0.5)
+    model.tie_weights()         # (to_empty untied lm_head from embed_tokens; the config ties them)
     model.save_pretrained(path)
     return Path(path)
 
@@ -72,12 +73,14 @@ def _status() -> dict:
 
 
 def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
-    """One load in this process: {peak_load, rss_load, rss_forward, peak_forward} in MiB."""
+    """One load in this process: {peak_load, rss_load, rss_forward, peak_forward} in MiB. Both cases import
+    gds_gather.hf first, so the difference is the loads'."""
     import torch
     import transformers
+
+    from gds_gather.hf import from_pretrained   # in both cases: its modules (~4 MiB) are not the table's memory
     dtype = torch.float32 if case.startswith("f32") else "auto"
     if case.endswith("offloaded"):
-        from gds_gather.hf import from_pretrained
         model = from_pretrained(model_dir, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -91,15 +94,20 @@ def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
             "peak_forward": b["VmHWM"], "logit0": float(logits.float()[0, -1, 0])}
 
 
-def run_case(case: str, model_dir, tokens: int = 2048) -> dict:
-    """measure_case in a fresh Python process."""
-    out = subprocess.run([sys.executable, __file__, "case", case, str(model_dir), "--tokens", str(tokens)],
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_cases(model_dir, tokens: int = 2048, jobs: int = 1) -> dict:
+    """{case: measure_case in a fresh Python process}, `jobs` processes at a time (each measures only itself)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case):
+        out = subprocess.run([sys.executable, __file__, "case", case, str(model_dir), "--tokens", str(tokens)],
+                             check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    with ThreadPoolExecutor(jobs) as ex:
+        return dict(zip(CASES, ex.map(one, CASES)))
 
 
 def memory(model_dir, tokens: int = 2048) -> list[dict]:
-    rows = [run_case(c, model_dir, tokens) for c in CASES]
+    rows = list(run_cases(model_dir, tokens).values())
     print("| load | peak MiB | RSS after load | RSS after one %d-token forward |" % tokens)
     print("|---|---|---|---|")
     for r in rows:

@@ -291,8 +291,9 @@ def error_bound(qtype, want: torch.Tensor) -> torch.Tensor:
     levels, factor = LOSSY_BOUNDS.get(qtype, (1, 1.0))
     block = quants.block_geometry(qtype)[0]
     amax = want.reshape(want.shape[0], -1, block).abs().amax(dim=2, keepdim=True)
-    step = amax / levels + 2.0 ** -24          # (+ an f16 scale's subnormal rounding)
-    return (factor * step).expand(-1, -1, block).reshape(want.shape)
+    # + an f16 scale's rounding where it is subnormal (absolute, up to 2^-25 times up to `levels` quanta)
+    bound = factor * amax / levels + levels * 2.0 ** -24
+    return bound.expand(-1, -1, block).reshape(want.shape)
 
 
 def _verify(table: Table, own_rows, vocab: int, weight_dtype, n: int) -> tuple[int, float, float]:
