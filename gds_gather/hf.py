@@ -573,15 +573,36 @@ def _prefill_once(model, ids: torch.Tensor, ubatch: int) -> tuple[float, torch.T
     return time.perf_counter() - t0, out.logits[0, -1].float().cpu()
 
 
+NOISE = 0.20       # a spread (max - min) / median above this: the machine was too noisy for a ratio to hold
+
+
+def _spread(v: list) -> float:
+    return (max(v) - min(v)) / statistics.median(v)
+
+
+def _generate_once(model, ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
+    """Greedy generation of exactly n tokens after the prompt: (seconds per new token, the generated ids)."""
+    sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    sync()
+    return (time.perf_counter() - t0) / n, out[0, ids.shape[1]:].cpu()
+
+
 def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=None, n_tokens: int = 2048,
-                   ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 3,
-                   device: str | None = None, progress: bool = True, log=print) -> dict:
+                   ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 5,
+                   generate: int = 0, device: str | None = None, progress: bool = True, log=print) -> dict:
     """The real model's prefill with the PLE table resident vs offloaded (A/B, interleaved, in the same process).
 
     Loads MODEL_DIR with transformers (local files only), tokenizes the prompt (default: the Python documentation
     topics) with the model's tokenizer when the directory has one, else with gds_gather.text's word-level mapping,
-    and runs a chunked prefill (ubatch tokens per forward, KV cache) `repeat` times each way after one warm-up.
-    table: the table file (default: the checkpoint's own safetensors). Returns the figures as a dict.
+    and runs a chunked prefill (ubatch tokens per forward, KV cache) in `repeat` rounds after one warm-up round,
+    each round both ways, the order alternating. generate: also greedy-generate that many tokens after a 512-token
+    prompt both ways in each round (ms per token). Medians with their spread; a ratio is reported as noise where
+    either side's spread exceeds NOISE. table: the table file (default: the checkpoint's own safetensors).
+    Returns the figures as a dict.
     """
     from transformers import AutoModelForCausalLM
     from tqdm import tqdm
@@ -591,8 +612,9 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: not a model directory")
-    if ubatch <= 0 or repeat <= 0:
-        raise ValueError(f"--ubatch and the repeat count must be > 0, got {ubatch}, {repeat}")
+    if ubatch <= 0 or repeat <= 0 or generate < 0:
+        raise ValueError(f"--ubatch and the repeat count must be > 0 and --generate >= 0, got {ubatch}, {repeat}, "
+                         f"{generate}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto", local_files_only=True)
     model = model.to(device).eval()
@@ -613,44 +635,93 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
                 f"{_size(t.n_bytes)}); {handle.verified_rows} sampled rows vs the weights: "
                 + ("exact" if handle.exact else f"max |err| {handle.max_abs_error:.3g}, RMS {handle.rms_error:.3g}"))
             log(f"prompt    {ids.shape[1]:,} tokens ({'default text' if prompt is None else prompt}; tokenizer "
-                f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}")
+                f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}; {repeat} rounds after a warm-up, "
+                f"interleaved" + (f"; then {generate} generated tokens each way per round" if generate else ""))
             log(f"backend   {handle.backend}: {handle.why}")
-        times = {"resident": [], "offloaded": []}
-        ple = {"resident": [], "offloaded": []}         # seconds inside the per-layer embedding module
-        logits = {}
-        order = ["resident", "offloaded"] * (repeat + 1)
-        for i, which in enumerate(tqdm(order, desc="A/B", disable=not progress, leave=False)):
-            handle.use(which)
-            with _timed(model.get_per_layer_input_embeddings(), ids.device) as spent:
-                s, logits[which] = _prefill_once(model, ids, ubatch)
-            if i >= 2:                      # the first pair is the warm-up
-                times[which].append(s)
-                ple[which].append(spent[0])
-        rows0, ids0 = handle.rows_read, handle.row_ids
+        ways = ("resident", "offloaded")
+        times = {w: [] for w in ways}
+        ple = {w: [] for w in ways}         # seconds inside the per-layer embedding module
+        gen_s = {w: [] for w in ways}
+        logits, gen = {}, {}
+        gen_ids = ids[:, -512:]
+        for r in tqdm(range(repeat + 1), desc="A/B rounds", disable=not progress, leave=False):
+            for which in ways if r % 2 == 0 else ways[::-1]:
+                handle.use(which)
+                before = (handle.row_ids, handle.rows_read)
+                with _timed(model.get_per_layer_input_embeddings(), ids.device) as spent:
+                    sec, logits[which] = _prefill_once(model, ids, ubatch)
+                if which == "offloaded":
+                    per_run = (handle.row_ids - before[0], handle.rows_read - before[1])
+                if generate:
+                    g_s, gen[which] = _generate_once(model, gen_ids, generate)
+                if r:                       # round 0 is the warm-up
+                    times[which].append(sec)
+                    ple[which].append(spent[0])
+                    if generate:
+                        gen_s[which].append(g_s)
         freed = handle.release()
         params1 = parameter_bytes(model)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: ids.shape[1] / v for k, v in med.items()}
-        runs = repeat + 1
+        spread = {k: _spread(v) for k, v in times.items()}
+        noisy = max(spread.values()) > NOISE
+        diff = (logits["resident"] - logits["offloaded"]).abs()
+        lstd = float(logits["resident"].std())
+        max_diff = float(diff.max())
         res = {
             "model": str(model_dir), "table": str(t.path), "qtype": t.qtype.name, "device": device,
             "dtype": str(model.dtype).replace("torch.", ""), "tokens": int(ids.shape[1]), "ubatch": ubatch,
             "repeat": repeat, "tok_per_s_resident": tps["resident"], "tok_per_s_offloaded": tps["offloaded"],
-            "offloaded_vs_resident": tps["offloaded"] / tps["resident"],
+            "offloaded_vs_resident": None if noisy else tps["offloaded"] / tps["resident"],
+            "offloaded_vs_resident_median": tps["offloaded"] / tps["resident"],
+            "spread_resident": spread["resident"], "spread_offloaded": spread["offloaded"], "noisy": noisy,
             "seconds_resident": times["resident"], "seconds_offloaded": times["offloaded"],
             "ple_seconds_resident": statistics.median(ple["resident"]),
             "ple_seconds_offloaded": statistics.median(ple["offloaded"]),
             "logits_equal": bool(torch.equal(logits["resident"], logits["offloaded"])),
+            "logits_max_abs_diff": max_diff, "logits_std": lstd,
+            "logits_max_abs_diff_vs_std": max_diff / lstd if lstd else float("nan"),
             "bytes_freed": freed, "parameter_bytes_before": params0, "parameter_bytes_after": params1,
-            "row_ids_per_run": ids0 // runs, "rows_read_per_run": rows0 // runs, **{
+            "row_ids_per_run": per_run[0], "rows_read_per_run": per_run[1], **{
                 k: v for k, v in handle.stats().items() if k not in ("bytes_freed", "row_ids", "rows_read")},
         }
+        if generate:
+            gm = {k: statistics.median(v) for k, v in gen_s.items()}
+            gspread = {k: _spread(v) for k, v in gen_s.items()}
+            gnoisy = max(gspread.values()) > NOISE
+            res.update(generate=generate, generate_ms_per_token_resident=gm["resident"] * 1e3,
+                       generate_ms_per_token_offloaded=gm["offloaded"] * 1e3,
+                       generate_spread_resident=gspread["resident"], generate_spread_offloaded=gspread["offloaded"],
+                       generate_noisy=gnoisy,
+                       generate_offloaded_vs_resident=None if gnoisy else gm["offloaded"] / gm["resident"],
+                       generate_offloaded_vs_resident_median=gm["offloaded"] / gm["resident"],
+                       generations_equal=bool(torch.equal(gen["resident"], gen["offloaded"])))
     if log:
-        log(f"resident  {tps['resident']:,.0f} tok/s (median of {repeat}; table in memory)")
-        log(f"offloaded {tps['offloaded']:,.0f} tok/s = {res['offloaded_vs_resident']:.2f}x resident; "
-            f"last-token logits {'equal' if res['logits_equal'] else 'differ'} (torch.equal)")
+        def line(name, k):
+            v = times[k]
+            return (f"{name} {tps[k]:,.0f} tok/s (median of {repeat}; {ids.shape[1] / max(v):,.0f}-"
+                    f"{ids.shape[1] / min(v):,.0f}, spread {spread[k]:.0%})")
+        log(line("resident ", "resident") + "; table in memory")
+        log(line("offloaded", "offloaded"))
+        if noisy:
+            log(f"ratio     none: a spread above {NOISE:.0%} (machine noise); the medians give "
+                f"{res['offloaded_vs_resident_median']:.2f}x, which does not hold at that noise: rerun on a quiet "
+                f"machine or with more rounds")
+        else:
+            log(f"ratio     offloaded {res['offloaded_vs_resident']:.2f}x resident (tok/s, medians)")
+        log("logits    last token: " + ("equal (torch.equal)" if res["logits_equal"] else
+            f"max |diff| {max_diff:.3g} = {res['logits_max_abs_diff_vs_std']:.2%} of the logits' std ({lstd:.3g})"))
         log(f"PLE step  {res['ple_seconds_resident'] * 1e3:,.1f} ms resident, {res['ple_seconds_offloaded'] * 1e3:,.1f} "
             f"ms offloaded per prefill (inside the per-layer embedding module; the rest is the trunk)")
+        if generate:
+            g = {k: [x * 1e3 for x in v] for k, v in gen_s.items()}
+            log(f"generate  {generate} tokens after {gen_ids.shape[1]} of the prompt, ms/token: resident "
+                f"{res['generate_ms_per_token_resident']:.2f} ({min(g['resident']):.2f}-{max(g['resident']):.2f}), "
+                f"offloaded {res['generate_ms_per_token_offloaded']:.2f} ({min(g['offloaded']):.2f}-"
+                f"{max(g['offloaded']):.2f}); " + (
+                    f"noise (spread above {NOISE:.0%}): no ratio" if res["generate_noisy"] else
+                    f"offloaded {res['generate_offloaded_vs_resident']:.3f}x resident")
+                + f"; generations {'equal' if res['generations_equal'] else 'differ'}")
         log(f"rows      {res['row_ids_per_run']:,} row ids per prefill, {res['rows_read_per_run']:,} unique rows read "
             f"({_size(res['rows_read_per_run'] * t.row_bytes)})")
         log(f"memory    {freed:,} B freed ({_size(freed)}): parameters {params0:,} -> {params1:,} B")
@@ -665,7 +736,7 @@ def cmd_prefill_hf(args, cfg: Config) -> int:
     import json
     n_tokens = 2048 if args.tokens is None else args.tokens
     res = run_hf_prefill(args.hf, args.table, cfg, prompt=args.prompt, n_tokens=n_tokens, ubatch=args.ubatch,
-                         backend=args.backend, dtype=args.dtype, progress=not args.json,
+                         backend=args.backend, dtype=args.dtype, generate=args.generate or 0, progress=not args.json,
                          log=None if args.json else print)
     if args.json:
         print(json.dumps(res))

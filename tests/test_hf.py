@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import weakref
 
 import numpy as np
@@ -329,9 +330,32 @@ def test_cli_prefill_hf(models, tmp_path, capsys):
     capsys.readouterr()
     assert main(["prefill", "--hf", str(path), "--table", str(gguf), "--tokens", "40", "--ubatch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "logits equal" in out and f"{w:,} B freed" in out and "tok/s" in out and "PLE step" in out
+    assert "last token: equal" in out and f"{w:,} B freed" in out and "tok/s" in out and "PLE step" in out
     assert main(["convert", str(path), "-o", str(tmp_path / "k.gguf"), "--qtype", "Q6_K"]) == 2
     assert "no quantizer for Q6_K" in capsys.readouterr().err
+    # at least 5 rounds, medians with their spread, a ratio only where the spread allows; --generate both ways
+    assert main(["prefill", "--hf", str(path), "--tokens", "48", "--ubatch", "16", "--generate", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["repeat"] >= 5 and len(res["seconds_offloaded"]) == res["repeat"]
+    for k in ("resident", "offloaded"):
+        v = res[f"seconds_{k}"]
+        assert res[f"spread_{k}"] == pytest.approx((max(v) - min(v)) / float(np.median(v)))
+    assert res["noisy"] == (max(res["spread_resident"], res["spread_offloaded"]) > 0.2)
+    assert (res["offloaded_vs_resident"] is None) == res["noisy"]
+    assert res["generations_equal"] and res["generate"] == 3
+    assert res["generate_ms_per_token_resident"] > 0 and res["generate_ms_per_token_offloaded"] > 0
+    assert res["logits_equal"] and res["logits_max_abs_diff"] == 0
+    # a quantized table: the size of the logits' difference, against their spread
+    q8 = tmp_path / "q8.gguf"
+    assert main(["convert", str(models["gemma3n", "float32"]), "-o", str(q8), "--qtype", "Q8_0", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["prefill", "--hf", str(models["gemma3n", "float32"]), "--table", str(q8), "--tokens", "32",
+                 "--ubatch", "16"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"max \|diff\| ([0-9.e-]+) = ([0-9.]+)% of the logits' std", out)
+    assert m and float(m.group(1)) > 0 and 0 < float(m.group(2)) < 25, out
+    assert ("ratio     none: a spread above 20%" in out) != ("ratio     offloaded" in out)
+    assert main(["prefill", "--generate", "3"]) == 2
 
 
 @pytest.mark.gpu
