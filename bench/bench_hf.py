@@ -13,7 +13,9 @@ whose row is cached, and greedy generation offloaded vs resident, interleaved ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -127,13 +129,27 @@ def _ple_step_us(module, ids, n: int = 2000) -> float:
     return statistics.median(times) / 1e3
 
 
-def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5) -> dict:
+@contextlib.contextmanager
+def _per_call(module, calls: list):
+    """Append the wall time of each forward of `module` (seconds) to calls."""
+    start = []
+    handles = [module.register_forward_pre_hook(lambda *_: start.append(time.perf_counter())),
+               module.register_forward_hook(lambda *_: calls.append(time.perf_counter() - start.pop()))]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: str = "auto") -> dict:
     """The PLE module's cost per decode step, and greedy generate ms/token, offloaded vs resident (interleaved)."""
     import torch
     import transformers
     from gds_gather.hf import from_pretrained
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    off = from_pretrained(model_dir, dtype="auto")
+    dt = dtype if dtype == "auto" else getattr(torch, dtype)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
+    off = from_pretrained(model_dir, dtype=dt)
     vocab = ref.config.get_text_config().vocab_size
     one = torch.tensor([[1234 % vocab]])
     few = torch.tensor([[1234 % vocab, 99, 7, 1234 % vocab]])
@@ -145,19 +161,29 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5) -> dict
            "ple_us_offloaded_4": _ple_step_us(off.get_per_layer_input_embeddings(), few)}
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     ms = {"resident": [], "offloaded": []}
+    ple = {"resident": [], "offloaded": []}         # ms inside the PLE module: a decode step (median), the prompt
+    ple_prompt = {"resident": [], "offloaded": []}
     outs = {}
     for i in range(rounds + 1):
         for name, m in (("resident", ref), ("offloaded", off)) if i % 2 == 0 else (("offloaded", off),
                                                                                    ("resident", ref)):
-            a = time.perf_counter()
-            with torch.inference_mode():
-                outs[name] = m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            calls = []
+            with _per_call(m.get_per_layer_input_embeddings(), calls):
+                a = time.perf_counter()
+                with torch.inference_mode():
+                    outs[name] = m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                b = time.perf_counter()
             if i:                                   # round 0 is the warm-up
-                ms[name].append((time.perf_counter() - a) * 1e3 / new)
+                ms[name].append((b - a) * 1e3 / new)
+                ple[name].append(statistics.median(calls[1:]) * 1e3)      # the decode steps (calls[0]: prompt)
+                ple_prompt[name].append(calls[0] * 1e3)
     res.update({f"generate_ms_per_token_{k}": statistics.median(v) for k, v in ms.items()})
     res.update({f"generate_ms_spread_{k}": [min(v), max(v)] for k, v in ms.items()})
+    res.update({f"generate_ple_ms_per_step_{k}": statistics.median(v) for k, v in ple.items()})
+    res.update({f"generate_ple_ms_prompt_{k}": statistics.median(v) for k, v in ple_prompt.items()})
     res["generate_ratio"] = res["generate_ms_per_token_offloaded"] / res["generate_ms_per_token_resident"]
     res["generations_equal"] = bool(torch.equal(outs["resident"], outs["offloaded"]))
+    print(f"model {model_dir}, {off.dtype}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"PLE module, 1 cached token: resident {res['ple_us_resident_1']:.1f} us, offloaded "
           f"{res['ple_us_offloaded_1']:.1f} us; 4 tokens: {res['ple_us_resident_4']:.1f} vs "
           f"{res['ple_us_offloaded_4']:.1f} us (median of 2000 calls)")
@@ -166,6 +192,12 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5) -> dict
           f"{max(ms['resident']):.2f}), offloaded {res['generate_ms_per_token_offloaded']:.2f} "
           f"({min(ms['offloaded']):.2f}-{max(ms['offloaded']):.2f}) = {res['generate_ratio']:.3f}x; "
           f"generations {'equal' if res['generations_equal'] else 'DIFFER'}")
+    print(f"inside the PLE module in generate: a decode step resident {res['generate_ple_ms_per_step_resident'] * 1e3:.0f} us,"
+          f" offloaded {res['generate_ple_ms_per_step_offloaded'] * 1e3:.0f} us (medians); the {prompt}-token prompt "
+          f"{res['generate_ple_ms_prompt_resident']:.2f} vs {res['generate_ple_ms_prompt_offloaded']:.2f} ms")
+    st = off.gds_gather.table.stats()
+    print(f"offloaded rows: {st['rows_from_cache']:,} from the row cache, {st['rows_from_page_cache']:,} from the page "
+          f"cache, {st['rows_from_device']:,} from the device")
     return res
 
 
@@ -188,6 +220,7 @@ def main(argv=None) -> dict | list:
     s.add_argument("--prompt", type=int, default=512)
     s.add_argument("--new", type=int, default=64)
     s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     a = ap.parse_args(argv)
     if a.cmd == "make-model":
         make_model(a.dir, a.kind, a.vocab)
@@ -198,7 +231,7 @@ def main(argv=None) -> dict | list:
         return r
     if a.cmd == "memory":
         return memory(a.dir, a.tokens)
-    return decode(a.dir, a.prompt, a.new, a.rounds)
+    return decode(a.dir, a.prompt, a.new, a.rounds, a.dtype)
 
 
 if __name__ == "__main__":

@@ -538,7 +538,7 @@ def _tokenizer(model_dir: Path):
 
 
 @contextlib.contextmanager
-def _timed(module, device):
+def timed_forward(module, device):
     """Accumulate the wall time spent in `module`'s forward into the yielded one-element list."""
     spent = [0.0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -648,7 +648,7 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
             for which in ways if r % 2 == 0 else ways[::-1]:
                 handle.use(which)
                 before = (handle.row_ids, handle.rows_read)
-                with _timed(model.get_per_layer_input_embeddings(), ids.device) as spent:
+                with timed_forward(model.get_per_layer_input_embeddings(), ids.device) as spent:
                     sec, logits[which] = _prefill_once(model, ids, ubatch)
                 if which == "offloaded":
                     per_run = (handle.row_ids - before[0], handle.rows_read - before[1])
