@@ -250,17 +250,28 @@ class RowCache:
             self._empty()
         rows = np.asarray(rows, np.int64)
         slots = self.index.get(rows) if self.n_used else np.full(rows.shape[0], -1, np.int64)
-        hit = slots >= 0
-        hs = slots[hit]
-        f = self.slot_freq[hs]
-        self.slot_freq[hs] = f + (f < 255)
-        self.sketch.add(rows[~hit])
+        if rows.shape[0] <= SCALAR_MAX:       # a decode step: the same counting without numpy calls (_get_few)
+            sf, missed = self.slot_freq, []
+            for r, sl in zip(rows.tolist(), slots.tolist()):
+                if sl < 0:
+                    missed.append(r)
+                elif sf[sl] < 255:
+                    sf[sl] += 1
+            if missed:
+                self.sketch.add(np.array(missed, np.int64))
+            h = rows.shape[0] - len(missed)
+        else:
+            hit = slots >= 0
+            hs = slots[hit]
+            f = self.slot_freq[hs]
+            self.slot_freq[hs] = f + (f < 255)
+            self.sketch.add(rows[~hit])
+            h = hs.shape[0]
         self._age += rows.shape[0]
         if self._age >= self.sketch.period:           # aging: halve every counter
             self.sketch.table >>= 1
             self.slot_freq >>= 1
             self._age //= 2
-        h = hs.shape[0]
         self.hits += h
         self.misses += rows.shape[0] - h
         return slots

@@ -285,3 +285,23 @@ def test_hash_index_few_keys_path_agrees_with_the_vectorized_one():
     many = np.where(p >= 0, h.vals[np.maximum(p, 0)], -1)
     np.testing.assert_array_equal(few, want)
     np.testing.assert_array_equal(many, want)
+
+
+def test_lookup_few_rows_counts_as_the_vectorized_path(monkeypatch):
+    """lookup of <= SCALAR_MAX rows (Python counting) leaves the same slots, counters, sketch and aging as the
+    numpy path (forced with SCALAR_MAX = 0) over a long run of small batches."""
+    rng = np.random.default_rng(5)
+    a, b = (RowCache(row_bytes=16, budget=1 << 14, max_rows=4000) for _ in range(2))
+    for c in (a, b):
+        rows = np.arange(0, 4000, 7)
+        c.admit(rows, np.zeros((rows.shape[0], 16), np.uint8))
+    for _ in range(3000):
+        q = np.unique(rng.integers(0, 4000, rng.integers(1, rowcache.SCALAR_MAX + 1)))
+        got = a.lookup(q)
+        with monkeypatch.context() as m:
+            m.setattr(rowcache, "SCALAR_MAX", 0)
+            want = b.lookup(q)
+        np.testing.assert_array_equal(got, want)
+    assert (a.hits, a.misses, a._age) == (b.hits, b.misses, b._age) and a.hits > 0 and a.misses > 0
+    np.testing.assert_array_equal(a.slot_freq, b.slot_freq)
+    np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
