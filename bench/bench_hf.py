@@ -163,12 +163,13 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
     ms = {"resident": [], "offloaded": []}
     ple = {"resident": [], "offloaded": []}         # ms inside the PLE module: a decode step (median), the prompt
     ple_prompt = {"resident": [], "offloaded": []}
+    steps = {"resident": [], "offloaded": []}       # ms of each decode step's model forward (all rounds)
     outs = {}
     for i in range(rounds + 1):
         for name, m in (("resident", ref), ("offloaded", off)) if i % 2 == 0 else (("offloaded", off),
                                                                                    ("resident", ref)):
-            calls = []
-            with _per_call(m.get_per_layer_input_embeddings(), calls):
+            calls, fwd = [], []
+            with _per_call(m.get_per_layer_input_embeddings(), calls), _per_call(m, fwd):
                 a = time.perf_counter()
                 with torch.inference_mode():
                     outs[name] = m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -177,12 +178,15 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
                 ms[name].append((b - a) * 1e3 / new)
                 ple[name].append(statistics.median(calls[1:]) * 1e3)      # the decode steps (calls[0]: prompt)
                 ple_prompt[name].append(calls[0] * 1e3)
+                steps[name].extend(x * 1e3 for x in fwd[1:])
     res.update({f"generate_ms_per_token_{k}": statistics.median(v) for k, v in ms.items()})
     res.update({f"generate_ms_spread_{k}": [min(v), max(v)] for k, v in ms.items()})
     res.update({f"generate_ple_ms_per_step_{k}": statistics.median(v) for k, v in ple.items()})
     res.update({f"generate_ple_ms_prompt_{k}": statistics.median(v) for k, v in ple_prompt.items()})
     res["generate_ratio"] = res["generate_ms_per_token_offloaded"] / res["generate_ms_per_token_resident"]
     res["generations_equal"] = bool(torch.equal(outs["resident"], outs["offloaded"]))
+    res.update({f"step_ms_{k}": statistics.median(v) for k, v in steps.items()})
+    res["step_ratio"] = res["step_ms_offloaded"] / res["step_ms_resident"]
     print(f"model {model_dir}, {off.dtype}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"PLE module, 1 cached token: resident {res['ple_us_resident_1']:.1f} us, offloaded "
           f"{res['ple_us_offloaded_1']:.1f} us; 4 tokens: {res['ple_us_resident_4']:.1f} vs "
@@ -192,6 +196,8 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
           f"{max(ms['resident']):.2f}), offloaded {res['generate_ms_per_token_offloaded']:.2f} "
           f"({min(ms['offloaded']):.2f}-{max(ms['offloaded']):.2f}) = {res['generate_ratio']:.3f}x; "
           f"generations {'equal' if res['generations_equal'] else 'DIFFER'}")
+    print(f"one decode step's model forward, median of {len(steps['resident'])} steps each: resident "
+          f"{res['step_ms_resident']:.2f} ms, offloaded {res['step_ms_offloaded']:.2f} ms = {res['step_ratio']:.3f}x")
     print(f"inside the PLE module in generate: a decode step resident {res['generate_ple_ms_per_step_resident'] * 1e3:.0f} us,"
           f" offloaded {res['generate_ple_ms_per_step_offloaded'] * 1e3:.0f} us (medians); the {prompt}-token prompt "
           f"{res['generate_ple_ms_prompt_resident']:.2f} vs {res['generate_ple_ms_prompt_offloaded']:.2f} ms")

@@ -117,6 +117,9 @@ class DiskEmbedding(torch.nn.Module):
         flat = ids_np.reshape(-1)
         if flat.shape[0] <= SMALL_BATCH:        # a decode step: no plan where the row cache holds the rows
             unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
+            if unique.shape[0] and not 0 <= int(unique[0]) <= int(unique[-1]) < self.num_embeddings:
+                bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
+                raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
             raw = self.table.read_unique(unique, self.backend)
         else:
             plan = self.table.plan(ids_np)

@@ -441,6 +441,9 @@ def test_table_from_converted_gguf_and_decode_path(models, tmp_path):
             t = torch.tensor(ids)
             assert torch.equal(a(t), b(t))
     assert h.table.stats()["rows_from_cache"] > 0
+    for bad in ([[VOCAB]], [[-1]], [[3, VOCAB + 5]]):
+        with pytest.raises(BadIdsError, match="out of range"):
+            b(torch.tensor(bad))
 
 
 def test_quantized_tables_bounded_and_wrong_model_refused(models, tmp_path):
