@@ -2,20 +2,23 @@
 
 transformers keeps the PLE table as ``embed_tokens_per_layer``: a scaled ``nn.Embedding`` of
 ``[vocab_size_per_layer_input, num_hidden_layers * hidden_size_per_layer_input]`` whose forward is
-``embedding(ids) * embed_scale.to(weight.dtype)``. ``offload_per_layer_embeddings`` swaps it (through the model's
-``set_per_layer_input_embeddings``) for ``DiskEmbedding``, which gathers the rows from a table file with
-gds_gather and applies the same scale the same way, then frees the original weight:
+``embedding(ids) * embed_scale.to(weight.dtype)``. ``DiskEmbedding`` has the same forward, its rows gathered from
+a table file with gds_gather. Two ways in:
 
-    model = AutoModelForCausalLM.from_pretrained("google/gemma-3n-E2B-it")       # or a local directory
-    with offload_per_layer_embeddings(model, "google-gemma-3n-E2B-it/") as h:    # the checkpoint, or a GGUF
+    model = from_pretrained("google/gemma-3n-E2B-it", dtype=torch.bfloat16)   # the table never loaded
+    out = model.generate(**inputs)
+    print(model.gds_gather.stats())
+
+    model = AutoModelForCausalLM.from_pretrained(path)                         # a model already loaded:
+    with offload_per_layer_embeddings(model, path) as h:                       # swap the module, free the weight
         out = model.generate(**inputs)
-        print(h.bytes_freed, h.rows_read, h.backend, h.why)
 
-Token ids on the CPU take the host path (planned, deduplicated reads, exact CPU dequantization); CUDA ids the
-GPU path (rows read into GPU memory, dequantized by the CUDA kernel). The output is in the weight dtype on the ids'
-device and equals (torch.equal) the original module's whenever the table holds the model's rows exactly: the
-checkpoint's own safetensors, or a GGUF written by ``gds-gather convert`` without quantization. A quantized
-table is refused unless ``allow_quantized=True``; the handle then reports its measured error on a sample.
+Token ids on the CPU take the host path (planned, deduplicated reads, exact CPU dequantization; a decode step's
+few ids skip the planner on row-cache hits); CUDA ids the GPU path (rows read into GPU memory, dequantized by the
+CUDA kernel). The output is in the weight dtype on the ids' device and equals (torch.equal) transformers' own
+module's whenever the table's type gives the weight dtype's rows exactly (EXACT_TYPES: the same type, a widening,
+or F32 cast as transformers casts it). Another table is checked against the model's own rows: exactly for those
+types, within error_bound for a lossy one (which needs allow_quantized=True), else ModelMismatchError.
 
 Not supported: saving the offloaded model (its state dict lacks the table), autograd through the table,
 torch.compile / CUDA graph capture of the forward (the plan is made on the host, which synchronizes).
