@@ -10,7 +10,8 @@ from .backends import Backend, backends
 from .config import Config
 from .arrays import BadDtypeError
 from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelMismatchError, NotGGUFError,
-                     NotSafetensorsError, ReadError, RowWidthError, TableLayoutError, TableNotFoundError,
+                     NotSafetensorsError, ReadError, RowWidthError, TableClosedError, TableLayoutError,
+                     TableNotFoundError,
                      TruncatedFileError, UnsupportedTypeError)
 from .planner import ReadPlan, plan_rows
 from .table import DEFAULT_TENSOR, Table, open_table
@@ -21,7 +22,8 @@ __all__ = [
     "open_table", "Table", "backends", "Backend", "Config", "plan_rows", "ReadPlan", "DEFAULT_TENSOR",
     "GatherError", "NotGGUFError", "HeaderError", "TruncatedFileError", "TableNotFoundError",
     "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError", "BadDtypeError",
-    "ModelMismatchError", "NotSafetensorsError", "TableLayoutError", "offload_per_layer_embeddings",
+    "ModelMismatchError", "NotSafetensorsError", "TableClosedError", "TableLayoutError",
+    "offload_per_layer_embeddings",
 ]
 
 

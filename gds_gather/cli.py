@@ -135,8 +135,9 @@ def cmd_prefill(args, cfg: Config) -> int:
     if args.hf:
         from .hf import cmd_prefill_hf
         return cmd_prefill_hf(args, cfg)
-    if args.table:
-        raise GatherError("--table goes with --hf MODEL_DIR (the table of a transformers model)")
+    if args.table or args.generate:
+        raise GatherError(f"{'--table' if args.table else '--generate'} goes with --hf MODEL_DIR (a transformers "
+                          f"model)")
     args.dtype = args.dtype or "bfloat16"
     args.tokens = 8192 if args.tokens is None else args.tokens
     from .prefill import run_prefill
@@ -208,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face transformers model (Gemma 4 / Gemma 3n): its "
                    "prefill with the PLE table resident vs offloaded, A/B")
     s.add_argument("--table", help="with --hf: the table file (default: the checkpoint's own safetensors)")
+    s.add_argument("--generate", type=_int_in(1, MAX_TOKENS), default=None, metavar="N",
+                   help="with --hf: also time greedy generation of N tokens both ways (ms per token)")
     s.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="GPU dequant output and trunk dtype (default bfloat16); --hf: the model's (default: the "
                    "checkpoint's)")

@@ -78,3 +78,7 @@ class OutputPathError(GatherError, OSError):
 
 class WaitValueRefused(BackendError):
     """The driver refused a stream wait/write-value operation (no stream memory operations here): run eagerly."""
+
+
+class TableClosedError(GatherError, ValueError):
+    """A table used after close(): a model whose per-layer embedding it served cannot run any more."""

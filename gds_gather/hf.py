@@ -2,20 +2,23 @@
 
 transformers keeps the PLE table as ``embed_tokens_per_layer``: a scaled ``nn.Embedding`` of
 ``[vocab_size_per_layer_input, num_hidden_layers * hidden_size_per_layer_input]`` whose forward is
-``embedding(ids) * embed_scale.to(weight.dtype)``. ``offload_per_layer_embeddings`` swaps it (through the model's
-``set_per_layer_input_embeddings``) for ``DiskEmbedding``, which gathers the rows from a table file with
-gds_gather and applies the same scale the same way, then frees the original weight:
+``embedding(ids) * embed_scale.to(weight.dtype)``. ``DiskEmbedding`` has the same forward, its rows gathered from
+a table file with gds_gather. Two ways in:
 
-    model = AutoModelForCausalLM.from_pretrained("google/gemma-3n-E2B-it")       # or a local directory
-    with offload_per_layer_embeddings(model, "google-gemma-3n-E2B-it/") as h:    # the checkpoint, or a GGUF
+    model = from_pretrained("google/gemma-3n-E2B-it", dtype=torch.bfloat16)   # the table never loaded
+    out = model.generate(**inputs)
+    print(model.gds_gather.stats())
+
+    model = AutoModelForCausalLM.from_pretrained(path)                         # a model already loaded:
+    with offload_per_layer_embeddings(model, path) as h:                       # swap the module, free the weight
         out = model.generate(**inputs)
-        print(h.bytes_freed, h.rows_read, h.backend, h.why)
 
-Token ids on the CPU take the host path (planned, deduplicated reads, exact CPU dequantization); CUDA ids the
-GPU path (rows read into GPU memory, dequantized by the CUDA kernel). The output is in the weight dtype on the ids'
-device and equals (torch.equal) the original module's whenever the table holds the model's rows exactly: the
-checkpoint's own safetensors, or a GGUF written by ``gds-gather convert`` without quantization. A quantized
-table is refused unless ``allow_quantized=True``; the handle then reports its measured error on a sample.
+Token ids on the CPU take the host path (planned, deduplicated reads, exact CPU dequantization; a decode step's
+few ids skip the planner on row-cache hits); CUDA ids the GPU path (rows read into GPU memory, dequantized by the
+CUDA kernel). The output is in the weight dtype on the ids' device and equals (torch.equal) transformers' own
+module's whenever the table's type gives the weight dtype's rows exactly (EXACT_TYPES: the same type, a widening,
+or F32 cast as transformers casts it). Another table is checked against the model's own rows: exactly for those
+types, within error_bound for a lossy one (which needs allow_quantized=True), else ModelMismatchError.
 
 Not supported: saving the offloaded model (its state dict lacks the table), autograd through the table,
 torch.compile / CUDA graph capture of the forward (the plan is made on the host, which synchronizes).
@@ -34,18 +37,25 @@ import torch
 
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import BadIdsError, ModelMismatchError
+from .errors import BadIdsError, ModelMismatchError, TableClosedError
+from . import quants
 from .quants import Q
 from .table import Table, open_table
 
 log = logging.getLogger(__name__)
 
-# table types whose rows become the weight dtype exactly (F32: transformers' own load-time cast, round to nearest)
-EXACT_TYPES = {torch.float32: (Q.F32,), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
+# table types whose rows become the weight dtype exactly: every widening (BF16/F16 -> float32), and F32 -> any
+# (transformers' own load-time cast, round to nearest)
+EXACT_TYPES = {torch.float32: (Q.F32, Q.F16, Q.BF16), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
 
 
-def per_layer_embedding(model):
-    """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one."""
+SMALL_BATCH = 64       # ids per call served by Table.read_unique (no plan on row-cache hits): decode steps
+FLOAT_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
+def per_layer_embedding(model, stand_in=None):
+    """(the per-layer embedding module, text config) of a transformers model; ModelMismatchError without one (or,
+    with stand_in, when the module is not of that type)."""
     get = getattr(model, "get_per_layer_input_embeddings", None)
     module = None
     if callable(get):
@@ -57,6 +67,8 @@ def per_layer_embedding(model):
     if module is None:
         raise ModelMismatchError(f"{name} has no per-layer embeddings (embed_tokens_per_layer): only Gemma 4 "
                                  f"E2B/E4B and Gemma 3n models carry a PLE table")
+    if stand_in is not None and not isinstance(module, stand_in):
+        raise ModelMismatchError(f"{name}'s per-layer embedding is a {type(module).__name__}, not {stand_in.__name__}")
     if isinstance(module, DiskEmbedding):
         raise ModelMismatchError(f"{name}'s per-layer embeddings are already on disk ({module.table.path})")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -97,14 +109,42 @@ class DiskEmbedding(torch.nn.Module):
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows in the weight dtype, shape ids.shape + (embedding_dim,), on the ids' device."""
+        if self.table.closed:
+            raise TableClosedError(f"the per-layer embedding table {self.table.path} was closed (handle.close(), or "
+                                   f"the end of a `with` block): this model cannot compute its per-layer inputs any "
+                                   f"more; load it again (gds_gather.hf.from_pretrained) or keep the handle open")
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
         self._check(ids_np)
         if input_ids.device.type == "cuda":
             return self._rows_cuda(input_ids, ids_np)
-        plan = self.table.plan(ids_np)
-        self.row_ids += plan.n_ids
-        self.rows_read += plan.n_unique
-        return torch.from_numpy(self.table.gather_plan(plan, self.backend)).to(self.weight_dtype)
+        flat = ids_np.reshape(-1)
+        if flat.shape[0] <= SMALL_BATCH:        # a decode step: no plan where the row cache holds the rows
+            unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
+            if unique.shape[0] and not 0 <= int(unique[0]) <= int(unique[-1]) < self.num_embeddings:
+                bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
+                raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
+            raw = self.table.read_unique(unique, self.backend)
+        else:
+            plan = self.table.plan(ids_np)
+            unique, inverse = plan.unique_rows, plan.inverse
+            raw = self.table.read_plan(plan, self.backend)
+        self.row_ids += flat.shape[0]
+        self.rows_read += unique.shape[0]
+        rows = self._as_torch(raw)
+        if inverse is not None:
+            rows = rows.index_select(0, torch.from_numpy(inverse.reshape(-1)))
+        return rows.reshape(tuple(input_ids.shape) + (self.embedding_dim,))
+
+    def _as_torch(self, raw: np.ndarray) -> torch.Tensor:
+        """Raw rows -> torch rows in the weight dtype: a float table's bytes are viewed as its torch dtype and cast
+        (exactly gguf's dequantization, without its per-call overhead); a quantized one is dequantized."""
+        t = self.table
+        as_dtype = FLOAT_TORCH.get(t.qtype)
+        if as_dtype is not None:
+            rows = torch.from_numpy(np.ascontiguousarray(raw)).view(as_dtype).reshape(raw.shape[0], -1)
+        else:
+            rows = torch.from_numpy(quants.dequantize_rows(raw, t.qtype, t.row_elems))
+        return rows.to(self.weight_dtype)
 
     def _rows_cuda(self, input_ids: torch.Tensor, ids_np: np.ndarray) -> torch.Tensor:
         """Table.gather's GPU flavour: rows read into GPU memory, dequantized by the CUDA kernel on the current
@@ -235,21 +275,57 @@ def _check_fit(table: Table, module, cfg, weight_dtype, allow_quantized: bool) -
                                  f"checkpoint without --qtype)")
 
 
-def _verify(table: Table, weight, weight_dtype, n: int, allow_quantized: bool) -> tuple[int, float, float]:
-    """Compare n sampled table rows (first, last, random) with the resident weight: (rows, max |err|, RMS err)."""
-    if n <= 0 or weight.device.type == "meta":
+# A lossy table's error bound, per element, from its type: (levels, factor): error <= factor x the quantization step,
+# step = the block's max |value| / levels (the block of the type's geometry, of the model's own rows). Q8_0: d =
+# amax / 127, q = round(x / d), stored d rounded to f16, so |x - q d16| <= d / 2 + 127 |d - d16| <= 0.57 d; Q4_0 and
+# Q5_0 clip the top level (up to one step); Q4_1 / Q5_1: d = range / (2^b - 1) <= 2 amax / (2^b - 1), half a step
+# plus the f16 min. Types gguf cannot write (K-quants, IQ*, FP4) get a whole coarse step: generous, still far below
+# another model's rows (errors of the rows' own size).
+LOSSY_BOUNDS = {Q.Q8_0: (127, 0.6), Q.Q4_0: (8, 1.05), Q.Q5_0: (16, 1.05), Q.Q4_1: (7.5, 0.6), Q.Q5_1: (15.5, 0.6),
+                Q.Q6_K: (31, 1.0), Q.Q5_K: (15.5, 1.0), Q.Q4_K: (7.5, 1.0), Q.Q3_K: (4, 1.0), Q.Q2_K: (1.5, 1.0),
+                Q.IQ4_NL: (8, 1.0), Q.IQ4_XS: (8, 1.0), Q.IQ3_XXS: (4, 1.0), Q.IQ3_S: (4, 1.0), Q.IQ2_XXS: (2, 1.0),
+                Q.IQ2_XS: (2, 1.0), Q.IQ2_S: (2, 1.0), Q.IQ1_S: (1, 1.0), Q.IQ1_M: (1, 1.0), Q.TQ1_0: (1, 0.6),
+                Q.TQ2_0: (1, 0.6), Q.MXFP4: (3, 1.0), Q.NVFP4: (3, 1.0)}
+FLOAT_BOUNDS = {Q.F32: 0.0, Q.F16: 2.0 ** -10, Q.BF16: 2.0 ** -8}    # relative (about one ulp of the narrower type)
+
+
+def error_bound(qtype, want: torch.Tensor) -> torch.Tensor:
+    """The most each element of a `qtype` table may differ from the model's own float rows `want` [n, width]."""
+    want = want.double()
+    if qtype in FLOAT_BOUNDS:
+        return want.abs() * FLOAT_BOUNDS[qtype] + (2.0 ** -24 if qtype == Q.F16 else 0.0)   # (f16 subnormals)
+    levels, factor = LOSSY_BOUNDS.get(qtype, (1, 1.0))
+    block = quants.block_geometry(qtype)[0]
+    amax = want.reshape(want.shape[0], -1, block).abs().amax(dim=2, keepdim=True)
+    # + an f16 scale's rounding where it is subnormal (absolute, up to 2^-25 times up to `levels` quanta)
+    bound = factor * amax / levels + levels * 2.0 ** -24
+    return bound.expand(-1, -1, block).reshape(want.shape)
+
+
+def _verify(table: Table, own_rows, vocab: int, weight_dtype, n: int) -> tuple[int, float, float]:
+    """Compare n sampled rows (first, last, random) of the table with the model's own rows (own_rows(ids) -> float
+    rows: the resident weight, or the checkpoint's table): (rows, max |err|, RMS err). An exact type must give the
+    weight dtype's rows exactly, a lossy one stay within error_bound; otherwise it is another model's table:
+    ModelMismatchError, whatever allow_quantized says."""
+    if n <= 0:
         return 0, float("nan"), float("nan")
-    vocab = weight.shape[0]
     ids = np.unique(np.concatenate([[0, vocab - 1], np.random.default_rng(0).integers(0, vocab, max(n - 2, 0))]))
-    got = torch.from_numpy(table.gather(ids)).to(weight_dtype)
-    want = weight.detach()[torch.from_numpy(ids).to(weight.device)].cpu()
+    got = torch.from_numpy(table.gather(ids))
+    want = own_rows(ids).cpu()
     diff = (got.double() - want.double()).abs()
     max_err = float(diff.max()) if diff.numel() else 0.0
     rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
-    if not torch.equal(got, want) and not allow_quantized:
+    if table.qtype in EXACT_TYPES.get(weight_dtype, ()):
+        ok = torch.equal(got.to(weight_dtype), want.to(weight_dtype))
+        what = f"{table.qtype.name} rows must equal the model's {weight_dtype} rows"
+    else:
+        bound = error_bound(table.qtype, want)
+        ok = bool((diff <= bound).all())
+        what = f"more than the {table.qtype.name} error bound (max {float(bound.max()):.3g} on these rows)"
+    if not ok:
         bad = int(ids[int(diff.amax(dim=1).argmax())])
-        raise ModelMismatchError(f"{table.path}: sampled rows differ from the model's weights (row {bad}: max |diff| "
-                                 f"{max_err:.3g}): not this model's table, or a lossy one (allow_quantized=True)")
+        raise ModelMismatchError(f"{table.path}: sampled rows differ from the model's own ({what}; row {bad}: "
+                                 f"max |diff| {max_err:.3g}): a table of another model")
     return len(ids), max_err, rms
 
 
@@ -264,8 +340,9 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
     tensor: the table's name in the file (default: found by name: per_layer_token_embd.weight in a GGUF,
         *embed_tokens_per_layer.weight in safetensors).
     allow_quantized: accept a table that cannot reproduce the weights exactly (quantized, or a narrower float).
-    verify_rows: rows compared against the resident weight before it is freed (0: none); a mismatch raises
-        ModelMismatchError unless allow_quantized, which records the error instead (handle.max_abs_error).
+    verify_rows: rows compared against the resident weight before it is freed (0: none): an exact type must match
+        exactly, a lossy one stay within its type's error bound (error_bound; handle.max_abs_error records the
+        error); otherwise ModelMismatchError, whatever allow_quantized says.
     keep_original: keep the original module (handle.use() swaps, handle.release() frees it later).
 
     Raises ModelMismatchError for a model without per-layer embeddings or a table whose rows, width or dtype do
@@ -283,7 +360,9 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
         open_table(source, tensor, config=config) if tensor else open_table(source, config=config))
     try:
         _check_fit(table, module, cfg, weight_dtype, allow_quantized)
-        verified, max_err, rms = _verify(table, weight, weight_dtype, verify_rows, allow_quantized)
+        verified, max_err, rms = (0, float("nan"), float("nan")) if weight.device.type == "meta" else _verify(
+            table, lambda ids: weight.detach()[torch.from_numpy(ids).to(weight.device)], module.num_embeddings,
+            weight_dtype, verify_rows)
         scale = getattr(module, "embed_scale", None)
         if not isinstance(scale, torch.Tensor):
             scale = torch.tensor(float(getattr(module, "scalar_embed_scale", 1.0)), device=weight.device)
@@ -303,6 +382,141 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
     log.info("per-layer embedding of %s on disk: %s (%s), %d bytes freed, backend %s (%s)", type(model).__name__,
              table.path, table.qtype.name, handle.bytes_freed, handle.backend, handle.why)
     return handle
+
+
+# ---- loading a model without its table: gds_gather.hf.from_pretrained -------------------------------------------
+
+PLE_KEY_PATTERN = r"embed_tokens_per_layer\.weight$"     # the checkpoint key left unread (text and multimodal)
+
+
+class _NotLoaded(torch.nn.Module):
+    """Stands where the per-layer embedding is while transformers loads the rest: no parameter, so the checkpoint's
+    table is an unexpected key that transformers never reads (nor allocates on any device)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(module.num_embeddings), int(module.embedding_dim)
+        self.padding_idx = getattr(module, "padding_idx", None)
+        self.scalar_embed_scale = float(getattr(module, "scalar_embed_scale", 1.0))
+
+    def forward(self, input_ids):
+        raise ModelMismatchError("the per-layer embedding was not loaded (gds_gather.hf.from_pretrained did not finish)")
+
+
+def _without_table(cls):
+    """A subclass of the model class whose instances swap their per-layer embedding for _NotLoaded right after
+    construction (on the meta device, inside transformers' from_pretrained), before any weight is loaded."""
+    def __init__(self, config, *args, **kwargs):
+        cls.__init__(self, config, *args, **kwargs)
+        module, _ = per_layer_embedding(self)
+        self.set_per_layer_input_embeddings(_NotLoaded(module))
+        self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | {
+            PLE_KEY_PATTERN}
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _model_class(model_class, name_or_path, kwargs):
+    """The concrete transformers class: model_class itself, or what an Auto class (default AutoModelForCausalLM)
+    maps the checkpoint's config to. The config is loaded once and passed on to from_pretrained."""
+    import transformers
+    auto = model_class or transformers.AutoModelForCausalLM
+    if not hasattr(auto, "_model_mapping"):
+        return auto
+    config = kwargs.get("config")
+    if config is None or isinstance(config, (str, Path)):
+        hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                      "subfolder", "proxies", "trust_remote_code") if k in kwargs}
+        config = transformers.AutoConfig.from_pretrained(config or name_or_path, **hub)
+        kwargs["config"] = config
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:
+        raise ModelMismatchError(f"{name_or_path}: {auto.__name__} has no model class for "
+                                 f"{type(config).__name__}; pass model_class=") from None
+
+
+def checkpoint_path(name_or_path, cache_dir=None, revision=None, subfolder: str = "") -> Path | None:
+    """The local safetensors checkpoint (index or single file) of a model directory or a hub id (resolved in the
+    local Hugging Face cache only: after transformers loaded the model, its files are there); None without one."""
+    from .safetensors_file import INDEX, SINGLE
+    p = Path(name_or_path) / subfolder
+    if p.is_dir():
+        return next((p / f for f in (INDEX, SINGLE) if (p / f).is_file()), None)
+    from huggingface_hub import try_to_load_from_cache
+    for f in (INDEX, SINGLE):
+        got = try_to_load_from_cache(str(name_or_path), f"{subfolder}/{f}" if subfolder else f,
+                                     cache_dir=cache_dir, revision=revision)
+        if isinstance(got, str):
+            return Path(got)
+    return None
+
+
+def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_class=None,
+                    allow_quantized: bool = False, verify_rows: int = 64, config: Config | None = None,
+                    **kwargs):
+    """A transformers model loaded without its per-layer embedding table, which is gathered from disk instead.
+
+    The table is never allocated nor read whole, on any device: the model is built with a parameterless stand-in
+    for ``embed_tokens_per_layer`` (its checkpoint key stays unread), then gets a DiskEmbedding on `table`.
+
+    name_or_path: a model directory or a hub id (transformers resolves it: from the Hugging Face cache, and
+        downloads only where transformers itself would).
+    table: a GGUF (e.g. from ``gds-gather convert``), a safetensors checkpoint or an open Table; default the
+        checkpoint itself. Another file is checked against `verify_rows` sampled rows of the checkpoint.
+    model_class: the transformers class or Auto class (default AutoModelForCausalLM; e.g.
+        Gemma4ForConditionalGeneration for the multimodal model).
+    allow_quantized: accept a quantized or narrower table (its rows are still checked against the checkpoint's
+        within the type's own error bound: another model's table is refused).
+    kwargs: passed to transformers' from_pretrained (dtype, device_map, attn_implementation, cache_dir, ...).
+
+    Returns the model; ``model.gds_gather`` is its OffloadHandle (stats, close). The table closes with the model;
+    after handle.close() the model's forward raises TableClosedError.
+    """
+    cls = _model_class(model_class, name_or_path, kwargs)
+    kwargs.setdefault("dtype", "auto")
+    model = _without_table(cls).from_pretrained(name_or_path, **kwargs)
+    model.__class__ = cls           # (the subclass only changed __init__: the user gets the plain class)
+    stand_in, cfg = per_layer_embedding(model, _NotLoaded)
+    ckpt = checkpoint_path(name_or_path, kwargs.get("cache_dir"), kwargs.get("revision"), kwargs.get("subfolder", ""))
+    source = table if table is not None else ckpt
+    if source is None:
+        raise ModelMismatchError(f"{name_or_path}: no safetensors checkpoint found to read the table from: pass table=")
+    weight_dtype = model.get_input_embeddings().weight.dtype     # what transformers gave the other weights
+    device = model.get_input_embeddings().weight.device
+    t = source if isinstance(source, Table) else open_table(source, config=config)
+    try:
+        _check_fit(t, stand_in, cfg, weight_dtype, allow_quantized)
+        same = ckpt is not None and Path(t.path).resolve() == _table_file(ckpt).resolve()
+        if same or ckpt is None or verify_rows <= 0:
+            verified, max_err, rms = 0, (0.0 if same else float("nan")), (0.0 if same else float("nan"))
+            if not same:
+                log.warning("%s: table not checked against the checkpoint (%s)", t.path,
+                            "no checkpoint" if ckpt is None else "verify_rows=0")
+        else:
+            with open_table(ckpt, config=config) as own:
+                verified, max_err, rms = _verify(t, lambda ids: torch.from_numpy(own.gather(ids)),
+                                                 stand_in.num_embeddings, weight_dtype, verify_rows)
+        scale = torch.tensor(stand_in.scalar_embed_scale, device=device)
+        disk = DiskEmbedding(t, stand_in.num_embeddings, stand_in.embedding_dim, weight_dtype, scale,
+                             stand_in.padding_idx, backend)
+    except BaseException:
+        if not isinstance(source, Table):
+            t.close()
+        raise
+    model.set_per_layer_input_embeddings(disk)
+    model.gds_gather = OffloadHandle(model, disk, None, model.set_per_layer_input_embeddings,
+                                     t.n_rows * t.row_elems * torch.empty(0, dtype=weight_dtype).element_size(),
+                                     verified, max_err, rms)
+    log.info("%s loaded without its per-layer embedding: rows from %s (%s), backend %s (%s)", type(model).__name__,
+             t.path, t.qtype.name, model.gds_gather.backend, model.gds_gather.why)
+    return model
+
+
+def _table_file(ckpt: Path) -> Path:
+    """The file holding the checkpoint's per-layer embedding (the shard, for an index)."""
+    from .safetensors_file import find_table_tensor
+    return Path(find_table_tensor(ckpt)[0].path)
 
 
 def parameter_bytes(model) -> int:
@@ -330,7 +544,7 @@ def _tokenizer(model_dir: Path):
 
 
 @contextlib.contextmanager
-def _timed(module, device):
+def timed_forward(module, device):
     """Accumulate the wall time spent in `module`'s forward into the yielded one-element list."""
     spent = [0.0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -365,15 +579,36 @@ def _prefill_once(model, ids: torch.Tensor, ubatch: int) -> tuple[float, torch.T
     return time.perf_counter() - t0, out.logits[0, -1].float().cpu()
 
 
+NOISE = 0.20       # a spread (max - min) / median above this: the machine was too noisy for a ratio to hold
+
+
+def _spread(v: list) -> float:
+    return (max(v) - min(v)) / statistics.median(v)
+
+
+def _generate_once(model, ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
+    """Greedy generation of exactly n tokens after the prompt: (seconds per new token, the generated ids)."""
+    sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    sync()
+    return (time.perf_counter() - t0) / n, out[0, ids.shape[1]:].cpu()
+
+
 def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=None, n_tokens: int = 2048,
-                   ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 3,
-                   device: str | None = None, progress: bool = True, log=print) -> dict:
+                   ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 5,
+                   generate: int = 0, device: str | None = None, progress: bool = True, log=print) -> dict:
     """The real model's prefill with the PLE table resident vs offloaded (A/B, interleaved, in the same process).
 
     Loads MODEL_DIR with transformers (local files only), tokenizes the prompt (default: the Python documentation
     topics) with the model's tokenizer when the directory has one, else with gds_gather.text's word-level mapping,
-    and runs a chunked prefill (ubatch tokens per forward, KV cache) `repeat` times each way after one warm-up.
-    table: the table file (default: the checkpoint's own safetensors). Returns the figures as a dict.
+    and runs a chunked prefill (ubatch tokens per forward, KV cache) in `repeat` rounds after one warm-up round,
+    each round both ways, the order alternating. generate: also greedy-generate that many tokens after a 512-token
+    prompt both ways in each round (ms per token). Medians with their spread; a ratio is reported as noise where
+    either side's spread exceeds NOISE. table: the table file (default: the checkpoint's own safetensors).
+    Returns the figures as a dict.
     """
     from transformers import AutoModelForCausalLM
     from tqdm import tqdm
@@ -383,8 +618,9 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: not a model directory")
-    if ubatch <= 0 or repeat <= 0:
-        raise ValueError(f"--ubatch and the repeat count must be > 0, got {ubatch}, {repeat}")
+    if ubatch <= 0 or repeat <= 0 or generate < 0:
+        raise ValueError(f"--ubatch and the repeat count must be > 0 and --generate >= 0, got {ubatch}, {repeat}, "
+                         f"{generate}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto", local_files_only=True)
     model = model.to(device).eval()
@@ -405,44 +641,93 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
                 f"{_size(t.n_bytes)}); {handle.verified_rows} sampled rows vs the weights: "
                 + ("exact" if handle.exact else f"max |err| {handle.max_abs_error:.3g}, RMS {handle.rms_error:.3g}"))
             log(f"prompt    {ids.shape[1]:,} tokens ({'default text' if prompt is None else prompt}; tokenizer "
-                f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}")
+                f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}; {repeat} rounds after a warm-up, "
+                f"interleaved" + (f"; then {generate} generated tokens each way per round" if generate else ""))
             log(f"backend   {handle.backend}: {handle.why}")
-        times = {"resident": [], "offloaded": []}
-        ple = {"resident": [], "offloaded": []}         # seconds inside the per-layer embedding module
-        logits = {}
-        order = ["resident", "offloaded"] * (repeat + 1)
-        for i, which in enumerate(tqdm(order, desc="A/B", disable=not progress, leave=False)):
-            handle.use(which)
-            with _timed(model.get_per_layer_input_embeddings(), ids.device) as spent:
-                s, logits[which] = _prefill_once(model, ids, ubatch)
-            if i >= 2:                      # the first pair is the warm-up
-                times[which].append(s)
-                ple[which].append(spent[0])
-        rows0, ids0 = handle.rows_read, handle.row_ids
+        ways = ("resident", "offloaded")
+        times = {w: [] for w in ways}
+        ple = {w: [] for w in ways}         # seconds inside the per-layer embedding module
+        gen_s = {w: [] for w in ways}
+        logits, gen = {}, {}
+        gen_ids = ids[:, -512:]
+        for r in tqdm(range(repeat + 1), desc="A/B rounds", disable=not progress, leave=False):
+            for which in ways if r % 2 == 0 else ways[::-1]:
+                handle.use(which)
+                before = (handle.row_ids, handle.rows_read)
+                with timed_forward(model.get_per_layer_input_embeddings(), ids.device) as spent:
+                    sec, logits[which] = _prefill_once(model, ids, ubatch)
+                if which == "offloaded":
+                    per_run = (handle.row_ids - before[0], handle.rows_read - before[1])
+                if generate:
+                    g_s, gen[which] = _generate_once(model, gen_ids, generate)
+                if r:                       # round 0 is the warm-up
+                    times[which].append(sec)
+                    ple[which].append(spent[0])
+                    if generate:
+                        gen_s[which].append(g_s)
         freed = handle.release()
         params1 = parameter_bytes(model)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: ids.shape[1] / v for k, v in med.items()}
-        runs = repeat + 1
+        spread = {k: _spread(v) for k, v in times.items()}
+        noisy = max(spread.values()) > NOISE
+        diff = (logits["resident"] - logits["offloaded"]).abs()
+        lstd = float(logits["resident"].std())
+        max_diff = float(diff.max())
         res = {
             "model": str(model_dir), "table": str(t.path), "qtype": t.qtype.name, "device": device,
             "dtype": str(model.dtype).replace("torch.", ""), "tokens": int(ids.shape[1]), "ubatch": ubatch,
             "repeat": repeat, "tok_per_s_resident": tps["resident"], "tok_per_s_offloaded": tps["offloaded"],
-            "offloaded_vs_resident": tps["offloaded"] / tps["resident"],
+            "offloaded_vs_resident": None if noisy else tps["offloaded"] / tps["resident"],
+            "offloaded_vs_resident_median": tps["offloaded"] / tps["resident"],
+            "spread_resident": spread["resident"], "spread_offloaded": spread["offloaded"], "noisy": noisy,
             "seconds_resident": times["resident"], "seconds_offloaded": times["offloaded"],
             "ple_seconds_resident": statistics.median(ple["resident"]),
             "ple_seconds_offloaded": statistics.median(ple["offloaded"]),
             "logits_equal": bool(torch.equal(logits["resident"], logits["offloaded"])),
+            "logits_max_abs_diff": max_diff, "logits_std": lstd,
+            "logits_max_abs_diff_vs_std": max_diff / lstd if lstd else float("nan"),
             "bytes_freed": freed, "parameter_bytes_before": params0, "parameter_bytes_after": params1,
-            "row_ids_per_run": ids0 // runs, "rows_read_per_run": rows0 // runs, **{
+            "row_ids_per_run": per_run[0], "rows_read_per_run": per_run[1], **{
                 k: v for k, v in handle.stats().items() if k not in ("bytes_freed", "row_ids", "rows_read")},
         }
+        if generate:
+            gm = {k: statistics.median(v) for k, v in gen_s.items()}
+            gspread = {k: _spread(v) for k, v in gen_s.items()}
+            gnoisy = max(gspread.values()) > NOISE
+            res.update(generate=generate, generate_ms_per_token_resident=gm["resident"] * 1e3,
+                       generate_ms_per_token_offloaded=gm["offloaded"] * 1e3,
+                       generate_spread_resident=gspread["resident"], generate_spread_offloaded=gspread["offloaded"],
+                       generate_noisy=gnoisy,
+                       generate_offloaded_vs_resident=None if gnoisy else gm["offloaded"] / gm["resident"],
+                       generate_offloaded_vs_resident_median=gm["offloaded"] / gm["resident"],
+                       generations_equal=bool(torch.equal(gen["resident"], gen["offloaded"])))
     if log:
-        log(f"resident  {tps['resident']:,.0f} tok/s (median of {repeat}; table in memory)")
-        log(f"offloaded {tps['offloaded']:,.0f} tok/s = {res['offloaded_vs_resident']:.2f}x resident; "
-            f"last-token logits {'equal' if res['logits_equal'] else 'differ'} (torch.equal)")
+        def line(name, k):
+            v = times[k]
+            return (f"{name} {tps[k]:,.0f} tok/s (median of {repeat}; {ids.shape[1] / max(v):,.0f}-"
+                    f"{ids.shape[1] / min(v):,.0f}, spread {spread[k]:.0%})")
+        log(line("resident ", "resident") + "; table in memory")
+        log(line("offloaded", "offloaded"))
+        if noisy:
+            log(f"ratio     none: a spread above {NOISE:.0%} (machine noise); the medians give "
+                f"{res['offloaded_vs_resident_median']:.2f}x, which does not hold at that noise: rerun on a quiet "
+                f"machine or with more rounds")
+        else:
+            log(f"ratio     offloaded {res['offloaded_vs_resident']:.2f}x resident (tok/s, medians)")
+        log("logits    last token: " + ("equal (torch.equal)" if res["logits_equal"] else
+            f"max |diff| {max_diff:.3g} = {res['logits_max_abs_diff_vs_std']:.2%} of the logits' std ({lstd:.3g})"))
         log(f"PLE step  {res['ple_seconds_resident'] * 1e3:,.1f} ms resident, {res['ple_seconds_offloaded'] * 1e3:,.1f} "
             f"ms offloaded per prefill (inside the per-layer embedding module; the rest is the trunk)")
+        if generate:
+            g = {k: [x * 1e3 for x in v] for k, v in gen_s.items()}
+            log(f"generate  {generate} tokens after {gen_ids.shape[1]} of the prompt, ms/token: resident "
+                f"{res['generate_ms_per_token_resident']:.2f} ({min(g['resident']):.2f}-{max(g['resident']):.2f}), "
+                f"offloaded {res['generate_ms_per_token_offloaded']:.2f} ({min(g['offloaded']):.2f}-"
+                f"{max(g['offloaded']):.2f}); " + (
+                    f"noise (spread above {NOISE:.0%}): no ratio" if res["generate_noisy"] else
+                    f"offloaded {res['generate_offloaded_vs_resident']:.3f}x resident")
+                + f"; generations {'equal' if res['generations_equal'] else 'differ'}")
         log(f"rows      {res['row_ids_per_run']:,} row ids per prefill, {res['rows_read_per_run']:,} unique rows read "
             f"({_size(res['rows_read_per_run'] * t.row_bytes)})")
         log(f"memory    {freed:,} B freed ({_size(freed)}): parameters {params0:,} -> {params1:,} B")
@@ -457,7 +742,7 @@ def cmd_prefill_hf(args, cfg: Config) -> int:
     import json
     n_tokens = 2048 if args.tokens is None else args.tokens
     res = run_hf_prefill(args.hf, args.table, cfg, prompt=args.prompt, n_tokens=n_tokens, ubatch=args.ubatch,
-                         backend=args.backend, dtype=args.dtype, progress=not args.json,
+                         backend=args.backend, dtype=args.dtype, generate=args.generate or 0, progress=not args.json,
                          log=None if args.json else print)
     if args.json:
         print(json.dumps(res))

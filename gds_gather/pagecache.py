@@ -1,5 +1,6 @@
-"""Page-cache-aware reads for `direct`: rows whose pages the page cache already holds are copied from a mapping of
-the file, the rest are read O_DIRECT (which still adds nothing to the page cache).
+"""Page-cache-aware reads for `direct`: rows whose pages the page cache already holds are read buffered (pread: no
+I/O, and none of the file's pages enter this process's RSS), the rest are read O_DIRECT (which still adds nothing
+to the page cache).
 
 Residency comes from mincore over a read-only mapping of the table's span. One mincore of a 2.16 GB table costs
 about 4 ms on the development machine, as much as a whole warm batch, so it is not done per batch: the map is
@@ -61,6 +62,7 @@ import logging
 
 import numpy as np
 
+from .errors import ReadError
 from .measure import _libc
 from .storage import close_mapping
 
@@ -96,6 +98,9 @@ def _mincore_trusted(path) -> bool:
     return False
 
 
+PREAD_MIN_ROW = 1024    # page-cache rows at least this wide are pread, narrower ones copied from the mapping
+
+
 class Residency:
     """Which pages of [data_offset, data_offset + n_bytes) of `path` are in the page cache (see module doc)."""
 
@@ -127,6 +132,10 @@ class Residency:
         self.refreshes = 0
         self.skipped = 0                # due refreshes cachestat made unnecessary
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if SYS_CACHESTAT else -1
+        self._rfd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))     # buffered reads of resident rows
+        if hasattr(os, "posix_fadvise"):     # (a row the map wrongly calls resident: no readahead around it)
+            os.posix_fadvise(self._rfd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.path = path
         self._range = _CachestatRange(self.page0 * PAGE, self.vec.shape[0] * PAGE)
         self._stat = _Cachestat()
         self._seen = None               # (nr_cache, nr_evicted) at the last refresh
@@ -268,16 +277,32 @@ class Residency:
         return True
 
     def take(self, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
-        """Copy whole rows (resident pages: no I/O) into out, uint8 [len(rows), row_bytes]."""
-        # mode="clip" (the rows are checked): with out= and the default "raise", numpy gathers into a temporary
-        # and copies it again (441 rows of 7,392 B: 0.80 ms vs 0.26 ms; 23,000 of 90 B: 0.65 vs 0.33 ms)
-        np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
+        """Read whole rows (resident pages: no I/O), sorted ids, into out, uint8 [len(rows), row_bytes] contiguous.
+
+        Rows of PREAD_MIN_ROW bytes or more are pread (runs of adjacent rows as one read): a page touched through the
+        mapping joins this process's RSS, and where the kernel maps large folios whole one row maps up to 2 MiB of
+        the file. Narrower rows are copied out of the mapping, where pread's per-call cost dominates (see
+        docs/decisions.md), as is everything where the native helpers are missing."""
+        if row_bytes < PREAD_MIN_ROW or self._lib is None:
+            # mode="clip" (the rows are checked): with out= and "raise", numpy gathers into a temporary first
+            np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
+            return
+        from . import native
+        from .planner import row_runs
+        offs, lens, dst = row_runs(rows, row_bytes, self.data_offset)
+        idx, code = native.pread_pool(self._lib, self._rfd, offs, lens, lens, out, dst, threads=1)
+        if idx >= 0:
+            raise ReadError(f"{self.path}: reading page-cache rows at offset {int(offs[idx])} failed: "
+                            f"{os.strerror(code) if code > 0 else 'unexpected end of file'}")
 
     def close(self) -> None:
         self._learned()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._rfd >= 0:
+            os.close(self._rfd)
+            self._rfd = -1
         self.table = self._base = None
         close_mapping(self._mm)
         self._mm = None

@@ -41,6 +41,8 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _SKETCH_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                          np.uint64)
 EMPTY, TOMB = -1, -2
+_GOLD_INT, _M64 = int(_GOLD), (1 << 64) - 1
+SCALAR_MAX = 8          # HashIndex.get answers up to this many keys without numpy (see _get_few)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _POPULATE_OK = [True]
 
@@ -86,8 +88,29 @@ class HashIndex:
         return out
 
     def get(self, k: np.ndarray) -> np.ndarray:
+        if k.shape[0] <= SCALAR_MAX:
+            return self._get_few(k)
         p = self.find(k)
         return np.where(p >= 0, self.vals[np.maximum(p, 0)], -1).astype(np.int64)
+
+    def _get_few(self, k: np.ndarray) -> np.ndarray:
+        """get for a decode step's few keys: the same probe sequence as find, one key at a time in Python. Between
+        a transformers decode step's matmuls every numpy call runs on cold caches: find's ~15 calls for one key cost
+        156 us there against 21 us in a loop (development VM), this path a few scalar reads."""
+        keys, vals, mask, shift = self.keys, self.vals, self._mask, int(self._shift)
+        out = []
+        for key in k.tolist():
+            p = ((key * _GOLD_INT) & _M64) >> shift
+            while True:
+                kk = int(keys[p])
+                if kk == key:
+                    out.append(int(vals[p]))
+                    break
+                if kk == EMPTY:
+                    out.append(-1)
+                    break
+                p = (p + 1) & mask
+        return np.array(out, np.int64)
 
     def insert(self, k: np.ndarray, v: np.ndarray) -> None:
         """Insert distinct keys that are absent."""
@@ -229,17 +252,28 @@ class RowCache:
             self._empty()
         rows = np.asarray(rows, np.int64)
         slots = self.index.get(rows) if self.n_used else np.full(rows.shape[0], -1, np.int64)
-        hit = slots >= 0
-        hs = slots[hit]
-        f = self.slot_freq[hs]
-        self.slot_freq[hs] = f + (f < 255)
-        self.sketch.add(rows[~hit])
+        if rows.shape[0] <= SCALAR_MAX:       # a decode step: the same counting without numpy calls (_get_few)
+            sf, missed = self.slot_freq, []
+            for r, sl in zip(rows.tolist(), slots.tolist()):
+                if sl < 0:
+                    missed.append(r)
+                elif sf[sl] < 255:
+                    sf[sl] += 1
+            if missed:
+                self.sketch.add(np.array(missed, np.int64))
+            h = rows.shape[0] - len(missed)
+        else:
+            hit = slots >= 0
+            hs = slots[hit]
+            f = self.slot_freq[hs]
+            self.slot_freq[hs] = f + (f < 255)
+            self.sketch.add(rows[~hit])
+            h = hs.shape[0]
         self._age += rows.shape[0]
         if self._age >= self.sketch.period:           # aging: halve every counter
             self.sketch.table >>= 1
             self.slot_freq >>= 1
             self._age //= 2
-        h = hs.shape[0]
         self.hits += h
         self.misses += rows.shape[0] - h
         return slots
@@ -469,9 +503,35 @@ def drop_all() -> None:
             _CACHES.popitem()[1].close()
 
 
-def read_through(table, reader, plan) -> np.ndarray:
+def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
+    """read_through for sorted unique row ids without a plan where the row cache holds every row (a decode step's
+    one or few tokens: planning one row costs ~70 us on the development VM, the whole hit path ~30 us); otherwise
+    the rows are planned and read through, with this lookup's result (nothing is counted twice)."""
+    cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
+    looked = None
+    if cache is not None and rows.shape[0]:
+        with cache.lock:
+            g = cache.gen
+            slots = cache.lookup(rows)
+            if (slots >= 0).all():
+                out = cache.data.take(slots, axis=0)
+                looked = (g, slots, out)
+            else:
+                looked = (g, slots, None)
+        if looked[2] is not None:
+            reader.check_file()      # (as read_through's all-hits path: hits must not outlive a change)
+            table._io["cache_hits"] += rows.shape[0]
+            table._io["rows_from_cache"] += rows.shape[0]
+            return out
+    return read_through(table, reader, table.plan(rows), looked=looked and looked[:2], admit_page_cache=True)
+
+
+def read_through(table, reader, plan, looked=None, admit_page_cache: bool = False) -> np.ndarray:
     """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
-    to the cache. Counts into table._io (see Table.stats).
+    to the cache. Counts into table._io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
+    already made (read_unique's), instead of a second one. admit_page_cache: offer rows the reader copied from the
+    page cache too (read_unique: for a step of a few rows the per-call cost of the page-cache path, ~0.3 ms, is
+    what a hit saves, not the I/O).
 
     The hits are copied out while the misses' reads are in flight (the reader's during_io), not before the
     reads are submitted: on the gemma4-e4b trace that copy (about 2/3 of a batch's unique rows) was 0.46 ms of a
@@ -491,8 +551,7 @@ def read_through(table, reader, plan) -> np.ndarray:
         _count_reader(io, reader, pc0, U)
         return out
     with cache.lock:
-        g = cache.gen
-        slots = cache.lookup(plan.unique_rows)
+        g, slots = looked if looked else (cache.gen, cache.lookup(plan.unique_rows))
         hit = slots >= 0
         nh = int(hit.sum())
         if nh == U:                  # all hits: one gather, as mmap's
@@ -509,7 +568,7 @@ def read_through(table, reader, plan) -> np.ndarray:
         kw = {"during_io": lambda: cache.prefault(U)} if hasattr(reader, "during_io") else {}
         fresh = reader.read(plan, **kw)
         _count_reader(io, reader, pc0, U)
-        _admit(cache, reader, rows, fresh, slots[hit], g)
+        _admit(cache, reader, rows, fresh, slots[hit], g, admit_page_cache)
         return fresh
     out = np.empty((U, plan.row_bytes), np.uint8)
     miss_pos = np.flatnonzero(miss)
@@ -526,7 +585,8 @@ def read_through(table, reader, plan) -> np.ndarray:
     def on_rows(lo, hi, fresh):      # the misses [lo, hi); a first part comes while the rest is read
         copy_hits()
         out[miss_pos[lo:hi]] = fresh
-        _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None)
+        _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None,
+               admit_page_cache)
     mplan = replan(plan, table.config, rows, table.align)
     if hasattr(reader, "during_io"):
         reader.read(mplan, during_io=during_io, on_rows=on_rows)
@@ -542,10 +602,11 @@ def read_through(table, reader, plan) -> np.ndarray:
     return out
 
 
-def _admit(cache: RowCache, reader, rows: np.ndarray, fresh: np.ndarray, protect: np.ndarray, gen) -> None:
+def _admit(cache: RowCache, reader, rows: np.ndarray, fresh: np.ndarray, protect: np.ndarray, gen,
+           page_cache: bool = False) -> None:
     """Offer rows just read to the cache: those the device delivered (a read's rows copied from the page cache
-    are not admitted: reader.last_from_page_cache, when it covers these rows)."""
-    pc = getattr(reader, "last_from_page_cache", None)
+    are not admitted, unless page_cache: reader.last_from_page_cache, when it covers these rows)."""
+    pc = None if page_cache else getattr(reader, "last_from_page_cache", None)
     if pc is not None and pc.shape[0] == rows.shape[0]:
         rows, fresh = rows[~pc], fresh[~pc]
     with cache.lock:

@@ -13,7 +13,8 @@ import numpy as np
 from . import arrays, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import BackendError, BadIdsError, HeaderError, TruncatedFileError, UnsupportedTypeError
+from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, TruncatedFileError,
+                     UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
 from .readers import GDS_ALIGN, HOST_READERS, Reader, default_align
@@ -155,7 +156,7 @@ class Table:
 
     def _reader(self, backend: str) -> Reader:
         if self.closed:
-            raise ValueError(f"table {self.path} is closed")
+            raise TableClosedError(f"table {self.path} is closed")
         name, why = resolve(backend, self.config)
         r = self._readers.get(name)
         if r is None:
@@ -249,6 +250,19 @@ class Table:
             arrays.cupy_stream(self._last_stream).synchronize()
             self._last_stream = _NO_GPU
         return rowcache.read_through(self, self._reader(backend), plan)   # cache hits + fresh reads
+
+    @_locked
+    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
+        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
+        where the row cache holds every row (a decode step's few tokens)."""
+        rows = np.asarray(rows, np.int64)
+        if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows
+                              or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
+            raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
+        if self._last_stream is not _NO_GPU:     # (as read_plan)
+            arrays.cupy_stream(self._last_stream).synchronize()
+            self._last_stream = _NO_GPU
+        return rowcache.read_unique(self, self._reader(backend), rows)
 
     @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):

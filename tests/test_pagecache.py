@@ -241,6 +241,7 @@ def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
         res = Residency(path, t.data_offset, t.n_bytes)
         try:
             rows = np.arange(100, 400)              # 300 rows x 2 pages <= the span's pages: per-row
+            res._learned()
             learned = res.refreshes                 # the background map of a warm file (1), made stale here:
             res._last = -float("inf")               # the per-row path then runs until it has cost one refresh
             vec = np.zeros(-(-size // PAGE), np.uint8)

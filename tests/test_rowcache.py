@@ -260,3 +260,48 @@ def test_prefault_keeps_the_rows_and_the_budget():
     assert c.nbytes <= c.budget
     c.close()
     c.prefault(10)                      # closed: nothing to fault, no error
+
+
+def test_hash_index_few_keys_path_agrees_with_the_vectorized_one():
+    """get() on a decode step's few keys (scalar probes) gives what the vectorized find gives, through collisions,
+    tombstones and a rebuild; the oracle is a dict of what was inserted and deleted."""
+    rng = np.random.default_rng(3)
+    h = HashIndex(600)
+    truth = {}
+    for _ in range(6):
+        k = np.setdiff1d(np.unique(rng.integers(0, 1 << 40, 150)), np.fromiter(truth, np.int64, len(truth)))
+        v = rng.integers(0, 1 << 20, k.shape[0])
+        h.insert(k, v)
+        truth.update(zip(k.tolist(), v.tolist()))
+        gone = rng.choice(np.fromiter(truth, np.int64, len(truth)), 40, replace=False)
+        h.delete(gone)
+        for g in gone.tolist():
+            del truth[g]
+    q = np.concatenate([np.fromiter(truth, np.int64, len(truth)), rng.integers(0, 1 << 40, 300)])
+    want = np.array([truth.get(x, -1) for x in q.tolist()])
+    assert rowcache.SCALAR_MAX >= 1
+    few = np.concatenate([h.get(q[i:i + rowcache.SCALAR_MAX]) for i in range(0, q.shape[0], rowcache.SCALAR_MAX)])
+    p = h.find(q)
+    many = np.where(p >= 0, h.vals[np.maximum(p, 0)], -1)
+    np.testing.assert_array_equal(few, want)
+    np.testing.assert_array_equal(many, want)
+
+
+def test_lookup_few_rows_counts_as_the_vectorized_path(monkeypatch):
+    """lookup of <= SCALAR_MAX rows (Python counting) leaves the same slots, counters, sketch and aging as the
+    numpy path (forced with SCALAR_MAX = 0) over a long run of small batches."""
+    rng = np.random.default_rng(5)
+    a, b = (RowCache(row_bytes=16, budget=1 << 14, max_rows=4000) for _ in range(2))
+    for c in (a, b):
+        rows = np.arange(0, 4000, 7)
+        c.admit(rows, np.zeros((rows.shape[0], 16), np.uint8))
+    for _ in range(3000):
+        q = np.unique(rng.integers(0, 4000, rng.integers(1, rowcache.SCALAR_MAX + 1)))
+        got = a.lookup(q)
+        with monkeypatch.context() as m:
+            m.setattr(rowcache, "SCALAR_MAX", 0)
+            want = b.lookup(q)
+        np.testing.assert_array_equal(got, want)
+    assert (a.hits, a.misses, a._age) == (b.hits, b.misses, b._age) and a.hits > 0 and a.misses > 0
+    np.testing.assert_array_equal(a.slot_freq, b.slot_freq)
+    np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
