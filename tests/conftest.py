@@ -22,13 +22,18 @@ os.environ.setdefault("GDS_GATHER_HOT_ROWS", "0")
 
 
 @pytest.fixture(autouse=True)
-def _hot_rows_only_where_asked(request, monkeypatch):
+def _hot_rows_only_where_asked(request):
     """Hot-row files (on by default for users) would carry one test's row cache into another's new cache, also for
-    Tables made with Config(...) directly: tests without the hot_rows marker neither read nor write them."""
-    if "hot_rows" not in request.keywords:
-        from gds_gather import hotrows
-        monkeypatch.setattr(hotrows, "load", lambda target, capacity: None)
-        monkeypatch.setattr(hotrows, "save", lambda target, ids, freq, rows: None)
+    Tables made with Config(...) directly: tests without the hot_rows marker neither read nor write them. A patch
+    of its own, so a test that undoes its monkeypatch (per hypothesis example) keeps this one."""
+    if "hot_rows" in request.keywords:
+        yield
+        return
+    from gds_gather import hotrows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hotrows, "load", lambda target, capacity: None)
+        mp.setattr(hotrows, "save", lambda target, ids, freq, rows: None)
+        yield
 
 
 def _gpu_available() -> bool:
