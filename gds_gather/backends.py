@@ -85,10 +85,10 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
         name, forced = cfg.backend, "forced by GDS_GATHER_BACKEND"
     else:
         forced = "requested"
-    if name == "auto":
-        plat = detect(cfg.platform)
-        why = f"platform {plat.kind}: direct reads into host memory ({_direct_how()})"   # the platform line says why
-        return "direct", why
+    if name == "auto":      # a host read: no device probe (torch, cupy, kvikio stay unimported)
+        return "direct", f"the host default: O_DIRECT reads into host memory ({_direct_how()})"
+    if name in HOST_READERS:
+        return name, forced
     table = {b.name: b for b in backends(cfg)}
     if name not in table:
         raise BackendError(f"unknown backend {name!r}; known: {', '.join(table)}")

@@ -1,6 +1,10 @@
 """CPU gathers are bit-exact against gguf.quants.dequantize(table)[ids] for every type gguf dequantizes."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -153,3 +157,27 @@ def test_a_plan_of_another_table_is_refused(small_table, tmp_path, ggufs):
             with pytest.raises(gg.BadIdsError, match="made for another table"):
                 s.read_plan(plan, "direct")
         np.testing.assert_array_equal(s.read_plan(s.plan([299]), "direct")[0], s.read_rows([299], "direct")[0])
+
+
+def test_a_host_read_probes_no_device(small_table, tmp_path):
+    """Host paths never pay for device probing: open, plan, gather and read_rows with numpy ids import none of
+    torch, cupy or kvikio (a new process; torch is installed where the suite runs, and an importable stand-in
+    cupy and kvikio make sure a probe would show)."""
+    for name in ("cupy", "kvikio"):
+        (tmp_path / "stub" / name).mkdir(parents=True)
+        (tmp_path / "stub" / name / "__init__.py").write_text("raise ImportError('stand-in')\n")
+    code = ("import builtins, sys, numpy as np, gds_gather as gg\n"
+            "tried, real = [], builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('torch', 'cupy', 'kvikio'): tried.append(name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            f"t = gg.open_table({str(small_table)!r})\n"
+            "ids = np.array([[1, 5, 1], [299, 0, 7]])\n"
+            "t.gather(ids); t.read_rows(ids); t.gather(ids, backend='pread'); t.close()\n"
+            "print(sorted(m for m in ('torch', 'cupy', 'kvikio') if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "stub")}
+    r = subprocess.run([sys.executable, "-c", code.replace("print(", "print(tried, ")], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[] []"
