@@ -439,8 +439,8 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
             f = measure.fio_randread(data, bs=name, direct=True, iodepth=a.qd, runtime=a.fio_runtime)
             out["fio"][f"cold_{bs}"] = f
             if f and "iops" in f:
-                print(f"  fio randread {_bs_name(bs)} O_DIRECT io_uring "
-                      f"QD {a.qd}: {f['iops']:,.0f} IOPS, {f['bw_MiBps']:,.0f} MiB/s   [{f['cmd']}]")
+                print(fit(f"  fio randread {_bs_name(bs)} O_DIRECT io_uring "
+                          f"QD {a.qd}: {f['iops']:,.0f} IOPS, {f['bw_MiBps']:,.0f} MiB/s   [{f['cmd']}]"))
             else:
                 print(f"  fio {name}: {'not installed' if f is None else f.get('error')}")
     if "warm" in passes and a.warm == "tmpfs" and not a.no_fio and warm_path is not None:
@@ -471,8 +471,8 @@ def _fio_tmpfs(path, a, jobs) -> dict | None:
     finally:
         warm_path.unlink(missing_ok=True)
     if f and "iops" in f:
-        print(f"  fio psync 4k on {a.tmpfs}, {jobs} job(s) (direct's thread count there): {f['iops']:,.0f} IOPS   "
-              f"[{f['cmd']}]")
+        print(fit(f"  fio psync 4k on {a.tmpfs}, {jobs} job(s) (direct's thread count there): {f['iops']:,.0f} IOPS   "
+                  f"[{f['cmd']}]"))
         f["jobs"] = jobs
     return f
 

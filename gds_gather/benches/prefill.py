@@ -81,7 +81,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
             table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
                                         f"{t.row_bytes:,} B")
             table_bytes = t.n_bytes
-        print(f"\n## {model} ({desc})", flush=True)
+        print("\n" + fit(f"## {model} ({desc})", "   "), flush=True)
         def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
             name, _, mod = b.partition(":")
             return run_prefill(model, cfg, backend=name, **{**kw, "graph": kw["graph"] and mod != "nograph"})
@@ -131,7 +131,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
                 print(f"    MiB requested {_mib(s['bytes_requested'])} delivered {_mib(s['bytes_delivered'])} "
                       f"device {_mib(s['bytes_device'])}  ampl {_x(s['read_amplification'])}  "
                       f"page cache {s['page_cache_growth_MiB']:+.1f} MiB", flush=True)
-                print(f"    how: {s['how']}", flush=True)
+                print(fit(f"    how: {s['how']}", " " * 9), flush=True)
                 line = cache_line(s["row_cache"])
                 if line:
                     print(line)
