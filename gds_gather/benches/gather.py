@@ -606,7 +606,10 @@ def _plot_gather(res: dict, out) -> None:
                      fontsize=9)
         ax.legend(fontsize=7, loc="upper left", ncol=3)
     warm = {"cache": "page cache warm", "tmpfs": "a tmpfs copy", "none": "not run"}[res["warm_mode"]]
-    fig.suptitle(f"gds-gather bench gather: cold (file evicted), same table again, new table ({warm})\n"
+    newp = [p for p in NEW_PROCESS if p in res["passes"]]
+    fig.suptitle(f"gds-gather bench gather: cold (file evicted), same table again, new table ({warm})"
+                 + ("; new processes: " + ", ".join({"newproc": "warm box", "restart": "restart"}[p] for p in newp)
+                    if newp else "") + "\n"
                  f"{machine_title(res['facts'])}", fontsize=10)
     fig.savefig(out)
 
