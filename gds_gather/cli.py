@@ -10,7 +10,7 @@ from . import __version__
 from .backends import backends, resolve
 from .config import Config
 from .errors import GatherError
-from .measure import human_bytes
+from .measure import fit, human_bytes
 from .platform import detect
 
 
@@ -100,7 +100,7 @@ def cmd_info(args, cfg: Config) -> int:
     print("  backends")
     for b in d["backends"]:
         mark = "yes" if b["available"] else "no "
-        print(f"    {b['name']:<10} {mark}  {b['reason']}")
+        print(fit(f"    {b['name']:<10} {mark}  {b['reason']}", " " * 19))
     print(f"  auto           {d['auto']}: {d['auto_reason']}")
     return 0
 

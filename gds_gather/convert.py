@@ -143,9 +143,10 @@ def describe(table) -> str | None:
 
 def cmd_convert(args, cfg: Config) -> int:
     res = convert(args.model, args.output, args.qtype, tensor=args.tensor, progress=not args.quiet, config=cfg)
-    print(f"{res['output']}: {res['n_rows']:,} rows x {res['row_bytes']:,} B {res['qtype']} "
-          f"(source {res['source_type']}, {res['source_row_bytes']:,} B/row), "
-          + ("exact copy" if res["exact"] else
-             f"max |error| {res['max_abs_error']:.3g}, RMS {res['rms_error']:.3g} (max |value| "
-             f"{res['max_abs_value']:.3g})"))
+    from .measure import fit
+    print(fit(f"{res['output']}: {res['n_rows']:,} rows x {res['row_bytes']:,} B {res['qtype']} "
+              f"(source {res['source_type']}, {res['source_row_bytes']:,} B/row), "
+              + ("exact copy" if res["exact"] else
+                 f"max |error| {res['max_abs_error']:.3g}, RMS {res['rms_error']:.3g} (max |value| "
+                 f"{res['max_abs_value']:.3g})")))
     return 0

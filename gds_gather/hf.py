@@ -29,12 +29,14 @@ import contextlib
 import inspect
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .measure import fit
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import BadIdsError, ModelMismatchError, TableClosedError
@@ -637,9 +639,10 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
         if log:
             log(f"model     {model_dir} ({type(model).__name__}, {model.dtype}, {device}), "
                 f"parameters {_size(params0)}")
-            log(f"table     {t.path} ({t.name}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes:,} B = "
-                f"{_size(t.n_bytes)}); {handle.verified_rows} sampled rows vs the weights: "
-                + ("exact" if handle.exact else f"max |err| {handle.max_abs_error:.3g}, RMS {handle.rms_error:.3g}"))
+            log(fit(f"table     {t.path} ({t.name}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes:,} B = "
+                    f"{_size(t.n_bytes)}); {handle.verified_rows} sampled rows vs the weights: "
+                    + ("exact" if handle.exact else
+                       f"max |err| {handle.max_abs_error:.3g}, RMS {handle.rms_error:.3g}"), " " * 10))
             log(f"prompt    {ids.shape[1]:,} tokens ({'default text' if prompt is None else prompt}; tokenizer "
                 f"{'hf' if tok else 'word-level'}), ubatches of {ubatch}; {repeat} rounds after a warm-up, "
                 f"interleaved" + (f"; then {generate} generated tokens each way per round" if generate else ""))
@@ -743,7 +746,7 @@ def cmd_prefill_hf(args, cfg: Config) -> int:
     n_tokens = 2048 if args.tokens is None else args.tokens
     res = run_hf_prefill(args.hf, args.table, cfg, prompt=args.prompt, n_tokens=n_tokens, ubatch=args.ubatch,
                          backend=args.backend, dtype=args.dtype, generate=args.generate or 0, progress=not args.json,
-                         log=None if args.json else print)
+                         log=(lambda line: print(line, file=sys.stderr)) if args.json else print)
     if args.json:
         print(json.dumps(res))
     return 0

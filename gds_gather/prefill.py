@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from . import rowcache
 from .config import Config
 from .errors import GatherError, TableLayoutError
 from .table import open_table
@@ -161,7 +162,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                 f"{t.n_bytes / 2**20:,.1f} MiB" + (f"; {mapper.n_layer} layers x {mapper.per_layer} per layer"
                                                    if mapper.gemma else ""))
             log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
-                f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatches of {ubatch}"
+                f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatch{'es' if n_ub != 1 else ''} of up to {ubatch}"
                 f"{(', page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
@@ -171,6 +172,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
             log(fit(f"trunk     {trunk_label(pipe.trunk, trunk)}", " " * 10))
         if pipe.backend == "resident" and not gpu:     # resident = in memory before the clock: load it untimed
             t.read_plan(t.plan(np.zeros(1, np.int64)), "resident")
+        st0 = t.stats()     # the run's own counts: without the untimed load above
         try:
             bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
             io = measure.ReadCounter(t.path)          # bytes the storage delivered during the run
@@ -180,7 +182,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         finally:
             pipe.close()
         growth = measure.resident_bytes(t.path) - cache0
-        res.update(t.stats())       # rows from the row cache / page cache / device, hit rate, cache size
+        st = t.stats()              # rows from the row cache / page cache / device, hit rate, cache size
+        res.update({k: st[k] - st0[k] if k in rowcache.IO_COUNTERS else st[k] for k in st})
         if res.get("cache_where") == "gpu":     # the GPU prefill's device-resident cache (devcache.py)
             res["cache_bytes"] += res["device_cache_bytes"]
         # rows the file had to supply: the unique rows of each ubatch less the row cache's hits; direct says
@@ -188,7 +191,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         rb, dl = t.row_bytes, got["delivered_bytes"]
         from_file = max(res["unique_rows"] - res["rows_from_cache"], 0)
         known = res["rows_buffered"] == 0
-        storage_rows = res["rows_from_device"] if known else from_file
+        storage_rows = 0 if pipe.backend == "resident" else res["rows_from_device"] if known else from_file
         basis = (dl if dl is not None else res["bytes_read"])
         res.update(bytes_needed=from_file * rb, bytes_from_device_rows=storage_rows * rb,
                    sources_known=known, bytes_requested=res["bytes_read"], bytes_delivered=dl,
@@ -224,7 +227,9 @@ def summary_lines(res: dict) -> list[str]:
              f"rows      {res['ple_rows']:,} PLE rows, {res['unique_rows']:,} unique after per-ubatch dedup "
              f"({res['unique_rows'] / max(res['ple_rows'], 1):.1%})"]
     src = f"sources   {res['rows_from_cache']:,} from the row cache (hit rate {res['cache_hit_rate']:.1%}), "
-    lines.append(src + (f"{res['rows_from_page_cache']:,} from the page cache, {res['rows_from_device']:,} from "
+    lines.append(src + (f"{res['rows_buffered']:,} from the table in memory (resident)"
+                        if res["backend"] == "resident" else
+                        f"{res['rows_from_page_cache']:,} from the page cache, {res['rows_from_device']:,} from "
                         "the device" if res["sources_known"] else
                         f"{res['rows_buffered']:,} from the file (page cache or device: this backend cannot tell)"))
     needed, req, dl, dv = res["bytes_needed"], res["bytes_requested"], res["bytes_delivered"], res["bytes_device"]
@@ -244,9 +249,15 @@ def summary_lines(res: dict) -> list[str]:
                      "or blocks, and one")
         lines.append("          that several ubatches need is read by each of them (the row cache keeps rows, "
                      "within its budget)")
-    if dl is not None and dl > req + max(req // 20, 1 << 20):
-        lines.append(f"note      delivered includes {dl - req:,} B beyond the requests: other files this process "
-                     "read (imports, the prompt)")
+    growth = res["page_cache_growth_bytes"]
+    if res["backend"] == "resident":
+        lines.append("note      resident: the table was read into memory before the clock (the page cache growth "
+                     "is that load)")
+    elif dl is not None and dl > req + max(req // 20, 1 << 20):
+        lines.append(f"note      delivered includes {dl - req:,} B beyond the requests: " +
+                     ("the kernel's readahead around buffered reads of the table (its page cache grew by "
+                      f"{growth / 2**20:,.1f} MiB)" if growth > (dl - req) // 2 else
+                      "other files this process read (imports, the prompt)"))
     where = " in GPU memory" if res.get("cache_where") == "gpu" else ""
     lines.append(f"cache     row cache {human_bytes(res['cache_bytes'])} of {human_bytes(res['cache_budget_bytes'])}"
                  f"{where}; the table's page cache {res['page_cache_growth_bytes'] / 2**20:+.1f} MiB")

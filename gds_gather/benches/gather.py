@@ -147,7 +147,7 @@ def table_stats(t) -> dict | None:
 
 
 def _is_gauge(k: str) -> bool:
-    return "rate" in k or "budget" in k or k in ("cache_bytes", "cache_rows", "cache_entries")
+    return "rate" in k or "budget" in k or k in ("cache_bytes", "cache_rows", "cache_entries", "hot_rows_loaded")
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -219,11 +219,10 @@ def gather_line(r: dict) -> str:
     every = r.get("rows_per_s_all") or []
     spread = f"  (of {len(every)}: {short_num(min(every))}-{short_num(max(every))})" if len(every) > 1 else ""
     return (f"  {r['backend']:<11} {r['cache']:<7} {r['ns_per_gather']:>9,.0f} ns/gather {r['rows_per_s']:>12,.0f} "
-            f"rows/s{spread}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms"
-            + (f"  start-up {r['startup_s'] * 1e3:,.0f} ms, {r['hot_rows_loaded']:,} hot rows"
-               if "startup_s" in r else "") + "\n"
-            + fit(f"      MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
-                  f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
+            f"rows/s{spread}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms\n"
+            + fit((f"      start-up {r['startup_s'] * 1e3:,.0f} ms, {r['hot_rows_loaded']:,} hot rows;"
+                   if "startup_s" in r else "     ")
+                  + f" MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
                   f"  page cache {r['page_cache_growth_MiB']:+.1f} MiB  [{r['how']}]", " " * 8))
 
 
