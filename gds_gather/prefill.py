@@ -148,7 +148,9 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                 log("note      --drop-caches needs root: evicting the table file only")
             drop_caches = False
         if cold and not drop_caches:
-            measure.evict_file(t.path)
+            left = measure.evict_file(t.path)
+            if left and log:        # pages a live mapping holds (this Table's metadata) stay cached
+                log(f"note      not fully cold: {left:,} B of the table file stay in the page cache (mapped pages)")
         cache0 = measure.resident_bytes(t.path)
         if gpu:
             pipe = GpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, graph=graph, dtype=dtype,
