@@ -35,6 +35,7 @@ from .readers import HOST_READERS
 from .schedule import check_fits, graph_mode, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
+_KEPT_WHILE_QUEUED: list = []   # readers of prefills closed with GPU work queued: their staging is never unmapped
 
 
 @dataclass
@@ -486,18 +487,25 @@ class GpuPrefill:
                 pass
 
     def close(self) -> None:
+        """Never blocks (a step left waiting on a host flag would wait forever): with work still queued on the
+        stream, the readers' staging, which that work may read, is kept mapped for the process's life instead of
+        unpinned and unmapped, and the device row cache is never lent again."""
         self.closed = True
         self.graphs = {}
-        for r in self.readers:
-            r.close()
+        stream = getattr(self, "stream", None)
+        busy = stream is not None and not stream.query()
+        if busy:
+            log.error("prefill: work still queued at close; its staging is kept and its device row cache discarded")
+            _KEPT_WHILE_QUEUED.append(self.readers)
+        else:
+            for r in self.readers:
+                r.close()
         self.readers = []
         if self.dc is not None:
-            stream = getattr(self, "stream", None)
-            if stream is None or stream.query():
-                devcache.release(self.dc)   # nothing queued: the next holder (another stream) may use the pool
-            else:       # work still queued (a step left waiting after a failed release): never lend this pool again
-                log.error("prefill: work still queued at close; its device row cache is discarded")
+            if busy:
                 devcache.discard(self.dc)
+            else:
+                devcache.release(self.dc)   # nothing queued: the next holder (another stream) may use the pool
             self.dc = None
 
 

@@ -401,3 +401,39 @@ def test_gpu_prefill_host_half_gives_exact_rows_across_runs_and_errors(table, mo
         assert len(checked) >= 14 and t._io["cache_hits"] > 0
         assert 0 < p.stats.index_seconds < 60 and 0 < p.stats.io_seconds < 60     # timers, not counts
         assert all(checked) if clear else not all(checked)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_gpu_prefill_close_keeps_staging_while_work_is_queued(queued):
+    """GpuPrefill.close never blocks: with work still queued on its stream the readers (whose staging that work
+    may read) are not closed and the device row cache is discarded; with nothing queued both go back."""
+    from gds_gather import pipeline
+    from gds_gather.pipeline import GpuPrefill
+
+    class Stream:
+        def query(self):
+            return not queued
+
+    class Reader:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    p = GpuPrefill.__new__(GpuPrefill)
+    readers = [Reader(), Reader()]
+    p.stream, p.readers, p.graphs = Stream(), list(readers), {}
+    p.dc = devcache.DeviceRowCache(RowCache(row_bytes=8, budget=4096, store=False, max_rows=100), 0)
+    p.dc.key = ("test-close", queued)
+    devcache._POOLS[p.dc.key] = dc = p.dc
+    dc.in_use = True
+    try:
+        p.close()
+        assert p.closed and p.readers == [] and p.dc is None
+        assert [r.closed for r in readers] == [not queued] * 2
+        assert (dc.key in devcache._POOLS) == (not queued) and (dc.in_use is False or queued)
+        assert (readers in pipeline._KEPT_WHILE_QUEUED) == queued
+    finally:
+        devcache._POOLS.pop(dc.key, None)
+        if readers in pipeline._KEPT_WHILE_QUEUED:
+            pipeline._KEPT_WHILE_QUEUED.remove(readers)
