@@ -706,6 +706,9 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
                        generate_offloaded_vs_resident_median=gm["offloaded"] / gm["resident"],
                        generations_equal=bool(torch.equal(gen["resident"], gen["offloaded"])))
     if log:
+        say = log
+        log = lambda text: say(fit(text, " " * 10))     # noqa: E731 (every line within 120 columns)
+
         def line(name, k):
             v = times[k]
             return (f"{name} {tps[k]:,.0f} tok/s (median of {repeat}; {ids.shape[1] / max(v):,.0f}-"

@@ -150,7 +150,8 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         if cold and not drop_caches:
             left = measure.evict_file(t.path)
             if left and log:        # pages a live mapping holds (this Table's metadata) stay cached
-                log(f"note      not fully cold: {left:,} B of the table file stay in the page cache (mapped pages)")
+                log(f"note      not fully cold: {left:,} B of the table file stay in the page cache (mapped pages)"
+                    + ("; that is the whole table: this run is warm" if left >= t.data_offset + t.n_bytes else ""))
         cache0 = measure.resident_bytes(t.path)
         if gpu:
             pipe = GpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, graph=graph, dtype=dtype,
