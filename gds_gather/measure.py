@@ -87,6 +87,11 @@ PROC_IO_METHOD = ("/proc/self/io read_bytes: storage reads this process caused (
                   "readahead and page-fault reads)")
 
 
+def counter_name(method: str | None, missing: str = "n/a") -> str:
+    """A byte counter's short name, the part of its method text before ': ' (PROC_IO_METHOD, the device's)."""
+    return (method or missing).split(": ")[0]
+
+
 def proc_read_bytes() -> int | None:
     """read_bytes of /proc/self/io (every thread of this process, exited ones included), or None where the
     kernel has no task I/O accounting."""

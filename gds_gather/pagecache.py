@@ -1,6 +1,6 @@
-"""Page-cache-aware reads for `direct`: rows whose pages the page cache already holds are read buffered (pread: no
-I/O, and none of the file's pages enter this process's RSS), the rest are read O_DIRECT (which still adds nothing
-to the page cache).
+"""Page-cache-aware reads for `direct`: rows whose pages the page cache already holds are taken from it (no I/O:
+copied from a mapping of the file, or pread where rows are wide enough for none of the file's pages to enter this
+process's RSS; see Residency.take), the rest are read O_DIRECT (which still adds nothing to the page cache).
 
 Residency comes from mincore over a read-only mapping of the table's span. One mincore of a 2.16 GB table costs
 about 4 ms on the development machine, as much as a whole warm batch, so it is not done per batch: the map is

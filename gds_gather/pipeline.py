@@ -457,7 +457,8 @@ class GpuPrefill:
                 self._collect_timing(k, ub, k % 2)
         self.stats.bytes_read += sum(r.bytes_read for r in self.readers)
         res = self.stats.as_dict(wall, self._split(wall, len(ub)))
-        res.update(pipeline="gpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=self.graph, graph_reason=self.graph_why, schedule=mode,
+        res.update(pipeline="gpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=self.graph,
+                   graph_reason=self.graph_why, schedule=mode,
                    backend=self.backend, destination=self.mode, backend_reason=self.why, how=self.how,
                    ubatch=self.ubatch, ubatches=len(ub))
         if self.dc is not None:
@@ -605,7 +606,8 @@ class CpuPrefill:
         trunk = self.stats.trunk_seconds
         res = self.stats.as_dict(wall, (wall - trunk, trunk, "host clock: the trunk (with the per-layer "
                                         "projection) timed, the PLE step (waits for reads, dequant) is the rest"))
-        res.update(pipeline="cpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=False, backend=self.backend, destination="host",
+        res.update(pipeline="cpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=False,
+                   backend=self.backend, destination="host",
                    backend_reason=self.why, how=self.how, ubatch=self.ubatch,
                    ubatches=math.ceil(tokens.size / self.ubatch) if tokens.size else 0)
         if collect:

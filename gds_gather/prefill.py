@@ -212,13 +212,9 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
     return res
 
 
-def _counter_name(method: str | None) -> str:
-    return (method or "no counter").split(": ")[0]
-
-
 def summary_lines(res: dict) -> list[str]:
     """The result as lines of at most 120 columns, one figure per line (the README quotes them)."""
-    from .measure import human_bytes
+    from .measure import counter_name, human_bytes
     wall, ple, trunk = res["seconds"], res["ple_seconds"], res["trunk_seconds"]
     none = res["trunk_kind"] == "none"
     split = ("" if ple is None else f": PLE step {ple:.3f} s ({res['ple_share']:.0%}), " +
@@ -241,11 +237,11 @@ def summary_lines(res: dict) -> list[str]:
                  + ("from the device" if res["sources_known"] else "from the page cache or the device"))
     lines.append(f"requested {req:,} B asked of the file (aligned windows, or exact rows for buffered reads)")
     lines.append(f"delivered {'n/a' if dl is None else f'{dl:,} B'} by storage "
-                 f"({_counter_name(res['delivered_method'])}, this process)")
+                 f"({counter_name(res['delivered_method'], 'no counter')}, this process)")
     lines.append("amplif.   " + (f"{amp:.1f}x = {res['amplification_of']}" if amp is not None else
                                  "n/a: no rows were read from the device"))
     lines.append(f"device    {'n/a' if dv is None else f'{dv:,} B'} read by "
-                 f"{_counter_name(res['device_method'])} (the whole device, every process)")
+                 f"{counter_name(res['device_method'], 'no counter')} (the whole device, every process)")
     table = res["table_bytes"]
     if req > table:
         lines.append(f"note      requested exceeds the {human_bytes(table)} table: each ubatch asks for its own rows "

@@ -479,7 +479,7 @@ def save_hot(table=None) -> None:
     else:
         caches = [c for c in [_existing(table)] if c]
     for c in caches:
-        if getattr(c, "hot", None) is None or c.gen == c.hot_saved:
+        if c.hot is None or c.gen == c.hot_saved:
             continue
         gen, snap = c.gen, c.snapshot()
         if snap is not None and hotrows.save(c.hot, *snap) is not None:

@@ -222,7 +222,8 @@ def gather_line(r: dict) -> str:
             f"rows/s{spread}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms\n"
             + fit((f"      start-up {r['startup_s'] * 1e3:,.0f} ms, {r['hot_rows_loaded']:,} hot rows;"
                    if "startup_s" in r else "     ")
-                  + f" MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
+                  + f" MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
+                  f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
                   f"  page cache {r['page_cache_growth_MiB']:+.1f} MiB  [{r['how']}]", " " * 8))
 
 
@@ -366,7 +367,8 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
-                     f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)", "   "))
+                     f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)",
+                     "   "))
     print(fit(f"   trace: {desc}; per backend, interleaved, {a.repeat} round(s) of the passes "
               f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", "     "), flush=True)
     out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "passes": passes, "runs": [],
@@ -573,7 +575,8 @@ def run_gather(a, cfg: Config) -> dict:
         return f"{filesystem(p)} on {block_device(p)}"
 
     result = {"bench": "gather", "facts": facts, "backends": backends, "trace": a.trace, "qd": a.qd,
-              "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm, "passes": _passes(a) + _new_process_passes(a),
+              "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm,
+              "passes": _passes(a) + _new_process_passes(a),
               "drop_caches": bool(a.drop_caches), "row_cache": cache_note, "tables": []}
     for label, path in tables:
         result["tables"].append(_gather_table(path, label, a, cfg, backends, facts_line))

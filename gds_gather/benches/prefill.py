@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..config import Config
+from ..measure import counter_name
 from .gather import cache_line, default_backends, empty_row_cache
 from .plot import bars, figure, panel_series
 from .report import (HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold, machine_title,
@@ -67,7 +68,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
           f"warm-up run each,")
     print(f"# then {a.repeat} runs per backend cold (the table's file evicted before each run) and warm; tok/s "
           "min/median/max")
-    print(f"# MiB delivered = {_counter(facts['delivered_method'])}; ampl = delivered / the bytes of the rows read "
+    print(f"# MiB delivered = {counter_name(facts['delivered_method'])}; ampl = delivered / the bytes of the rows read "
           "from the device", flush=True)
     if "resident" in backends:
         print("# resident: the table is loaded into memory before the clock starts (untimed); the runs time the "
@@ -184,10 +185,6 @@ def row_cache_fields(res: dict) -> dict | None:
         if isinstance(res.get(k), dict):
             out.update(res[k])
     return out or None
-
-
-def _counter(method) -> str:
-    return (method or "n/a").split(": ")[0]
 
 
 def _mib(x) -> str:
