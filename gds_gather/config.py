@@ -11,7 +11,7 @@ _MAX_ALIGN = 1 << 20            # O_DIRECT alignment above 1 MiB is no device's 
 # bounds of the integer settings: queue depth is an io_uring's entries (1..4096); 0 threads = 2 x cores
 _INT_RANGES = {"max_gap": (0, 1 << 40), "max_window": (0, 1 << 40), "threads": (0, 1024), "queue_depth": (1, 4096)}
 _INT_RANGES.update(cache_bytes=(-1, 1 << 50), page_cache_reads=(0, 1), hot_rows=(0, 1), queue_depth_max=(1, 4096),
-                   vllm=(0, 1))
+                   vllm=(0, 1), prefetch=(0, 1))
 
 
 def _default_cache_dir() -> Path:
@@ -45,6 +45,8 @@ class Config:
     queue_depth_max: int = 512  # GDS_GATHER_QUEUE_DEPTH_MAX: wide rows: QD = queue_depth x (window / 4 KiB), up to this
     vllm: int = 0               # GDS_GATHER_VLLM: 1 = the vLLM plugin serves Gemma 4 / 3n PLE rows from disk
     vllm_table: Path | None = None   # GDS_GATHER_VLLM_TABLE: the plugin's table file (default: the checkpoint)
+    prefetch: int = 1           # GDS_GATHER_PREFETCH: Table.prefetch(ids) reads the next batch ahead (prefetch.py);
+    #                             0 = it does nothing
 
     def __post_init__(self) -> None:
         # every message names the variable (and the field, for Config(...) callers)

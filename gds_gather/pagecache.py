@@ -270,7 +270,7 @@ class Residency:
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
         one = np.zeros(1, np.uint8)
         mincore, base = _libc().mincore, self._base.ctypes.data + self.page0 * PAGE
-        for p in np.unique(pick).tolist():
+        for p in sorted(set(pick.tolist())):     # (np.unique's first call imports numpy.ma: tens of ms)
             if mincore(ctypes.c_void_p(base + p * PAGE), ctypes.c_size_t(PAGE),
                        one.ctypes.data_as(ctypes.c_void_p)) == 0 and not one[0] & 1:
                 return False

@@ -535,6 +535,7 @@ class CpuPrefill:
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
         table.open_reader(self.backend)      # engine start-up before the clock (and residency learned meanwhile)
+        table.prefetch([], self.backend)     # ... and the prefetch readers
 
     def per_layer_rows(self, rows_f32: np.ndarray, n: int):
         """Kernel-equivalent layout: gemma [n_layer, T, per_layer] x sqrt(per_layer); qwen4exp [T, 16*160]."""
@@ -544,17 +545,21 @@ class CpuPrefill:
             return (x.view(n, m.n_layer, m.per_layer) * m.row_scale).permute(1, 0, 2).contiguous()
         return x.view(n, -1)
 
-    def _fetch(self, tok: np.ndarray):
-        """Row ids, plan and raw rows of one ubatch (run in order, on the reader thread)."""
-        t = self.t
+    def _fetch(self, tokens: np.ndarray, k: int):
+        """Row ids, plan and raw rows of the ubatch at token k (run in order, on the reader thread). The next
+        ubatch's row ids go to Table.prefetch first: the device reads them while this one is read and used."""
+        t, ub = self.t, self.ubatch
         a = time.perf_counter()
-        ids = self.mapper(tok)
+        ids = self._ahead.pop(k, None)
+        if ids is None:
+            ids = self.mapper(tokens[k:k + ub])
+        if k + ub < tokens.size:
+            self._ahead[k + ub] = nxt = self.mapper(tokens[k + ub:k + 2 * ub])
+            t.prefetch(nxt, self.backend)
         plan = t.plan(ids)
         b = time.perf_counter()
-        r = t.open_reader(self.backend)
-        before = r.bytes_read
         raw = t.read_plan(plan, self.backend)
-        return plan, raw, r.bytes_read - before, b - a, time.perf_counter() - b
+        return plan, raw, b - a, time.perf_counter() - b
 
     def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
         """Ubatch k+1 is read on a reader thread while ubatch k is dequantized (and run through the trunk) here,
@@ -562,32 +567,34 @@ class CpuPrefill:
         dequantization mostly does too. One reader thread, so the ubatches are mapped and read in order."""
         outs = []
         starts = list(range(0, tokens.size, self.ubatch))
+        self._ahead: dict = {}        # token index -> row ids of a ubatch handed to prefetch, for its read
+        bytes0 = self.t.stats()["bytes_requested"]     # (every reader's: the table's and its prefetches')
         t0 = time.perf_counter()
         with ThreadPoolExecutor(1, thread_name_prefix="gds-gather-prefill-read") as ex:
-            nxt = ex.submit(self._fetch, tokens[:self.ubatch]) if starts else None
+            nxt = ex.submit(self._fetch, tokens, 0) if starts else None
             for i, k in enumerate(starts):
                 tok = tokens[k:k + self.ubatch]
-                plan, raw, nbytes, t_index, t_io = nxt.result()
+                plan, raw, t_index, t_io = nxt.result()
                 if i + 1 < len(starts):
-                    nxt = ex.submit(self._fetch, tokens[starts[i + 1]:starts[i + 1] + self.ubatch])
+                    nxt = ex.submit(self._fetch, tokens, starts[i + 1])
                 try:
-                    self._consume(tok, plan, raw, nbytes, t_index, t_io, outs, collect)
+                    self._consume(tok, plan, raw, t_index, t_io, outs, collect)
                 except BaseException:
                     nxt.cancel()
                     raise
                 if progress:
                     progress(tok.size)
         wall = time.perf_counter() - t0
+        self.stats.bytes_read += self.t.stats()["bytes_requested"] - bytes0   # (each ubatch's prefetch was taken)
         return self._result(wall, tokens, outs, collect)
 
-    def _consume(self, tok, plan, raw, nbytes, t_index, t_io, outs, collect) -> None:
+    def _consume(self, tok, plan, raw, t_index, t_io, outs, collect) -> None:
         torch, t, st = self.torch, self.t, self.stats
         rows = quants.dequantize_rows(raw, t.qtype, t.row_elems)[plan.inverse]
         st.tokens += tok.size
         st.ple_rows += plan.n_ids
         st.unique_rows += plan.n_unique
         st.useful_bytes += plan.exact_bytes
-        st.bytes_read += nbytes
         st.index_seconds += t_index
         st.io_seconds += t_io
         if self.trunk is not None:

@@ -278,6 +278,14 @@ class RowCache:
         self.misses += rows.shape[0] - h
         return slots
 
+    def cached(self, rows: np.ndarray) -> np.ndarray:
+        """Slot of each row, -1 where not cached, without counting an access (a prefetch's question: the read
+        that follows counts it). Call under self.lock."""
+        rows = np.asarray(rows, np.int64)
+        if self._dirty or not self.n_used:
+            return np.full(rows.shape[0], -1, np.int64)
+        return self.index.get(rows)
+
     def lookup_gen(self, rows: np.ndarray) -> tuple[np.ndarray, int]:
         """lookup under the lock, with the generation to pass to admit(gen=) for the rows that missed."""
         with self.lock:
@@ -526,7 +534,8 @@ def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
     return read_through(table, reader, table.plan(rows), looked=looked and looked[:2], admit_page_cache=True)
 
 
-def read_through(table, reader, plan, looked=None, admit_page_cache: bool = False) -> np.ndarray:
+def read_through(table, reader, plan, looked=None, admit_page_cache: bool = False,
+                 io: dict | None = None) -> np.ndarray:
     """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
     to the cache. Counts into table._io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
     already made (read_unique's), instead of a second one. admit_page_cache: offer rows the reader copied from the
@@ -539,8 +548,8 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
     readers.SPLIT_MIN): they are copied into out and admitted then. The cache lock is not held meanwhile, so
     another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
     still holds its row, and rows evicted since are read with the misses' reader afterwards (never seen in the
-    benches; tested)."""
-    io = table._io
+    benches; tested). io: the counters to count into (default table._io; a prefetch counts apart, prefetch.py)."""
+    io = table._io if io is None else io
     U = plan.n_unique
     if U == 0:
         return np.empty((0, plan.row_bytes), np.uint8)
@@ -643,7 +652,7 @@ def _count_reader(io: dict, reader, pc0: int, n: int) -> int:
 
 
 IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "rows_buffered", "cache_hits",
-               "cache_misses")
+               "cache_misses", "rows_prefetched")
 
 
 def _key(table, budget: int) -> tuple:

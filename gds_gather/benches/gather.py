@@ -74,6 +74,9 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                                          "GDS_GATHER_QUEUE_DEPTH or 256)")
     p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="direct reads one batch at a time like the baselines (default: the bench hands it the next "
+                        "batch's ids first, Table.prefetch, as a prefill does)")
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -110,7 +113,8 @@ def _bs_name(bs: int) -> str:
 
 
 def _bytes_read(t) -> int:
-    return sum(getattr(r, "bytes_read", 0) for r in [*t._readers.values(), *t._sinks.values()])
+    return t.stats()["bytes_requested"]      # every reader's: the table's, its GPU sinks', its prefetches'
+
 
 
 def _fetch(t, b: str, plan, stream) -> None:
@@ -122,10 +126,13 @@ def _fetch(t, b: str, plan, stream) -> None:
 
 
 def _open_for(path, cfg, b: str, stream):
-    """A fresh table whose reader for `b` is open (fd, ring, mapping; resident: loaded) outside the timing."""
+    """A fresh table whose reader for `b` is open (fd, ring, mapping; resident: loaded; the engine's prefetch
+    readers) outside the timing."""
     import gds_gather as gg
     t = gg.open_table(path, config=cfg)
     _fetch(t, b, t.plan(np.zeros(1, np.int64)), stream)
+    if not b.startswith("gpu:"):
+        t.prefetch([], b)
     return t
 
 
@@ -167,15 +174,20 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
 
 def gather_pass(t, b: str, trace, stream=None) -> dict:
     """One timed pass over the trace; a gather is one row id (ns/gather = wall / row ids, as llama.cpp #137).
-    Beside the bytes the readers requested: the bytes the storage delivered (measure.ReadCounter)."""
+    Beside the bytes the readers requested: the bytes the storage delivered (measure.ReadCounter). Before it reads a
+    batch, the pass hands the next batch's ids to Table.prefetch, as a prefill that knows its next ubatch does;
+    only the engine's backends act on it (the baselines read one batch at a time; Config.prefetch=0: none)."""
     path = t.path
     st0 = table_stats(t)
     b0, res0, flt0 = _bytes_read(t), measure.resident_bytes(path), measure.major_faults()
     lat, useful, n_ids, uniq, wins = [], 0, 0, 0, 0
     io = measure.ReadCounter(path)
     t0 = time.perf_counter()
-    for ids in trace:
+    ahead = not b.startswith("gpu:")
+    for i, ids in enumerate(trace):
         a = time.perf_counter()
+        if ahead and i + 1 < len(trace):
+            t.prefetch(trace[i + 1], b)
         plan = t.plan(ids)
         _fetch(t, b, plan, stream)
         lat.append(time.perf_counter() - a)
@@ -315,7 +327,8 @@ def child_pass(path: Path, b: str, trace_file: Path, cfg: Config, hot_dir: Path)
     import sys
     cmd = [sys.executable, "-m", "gds_gather.benches.gather", str(path), b, str(trace_file), str(hot_dir),
            str(cfg.cache_bytes), str(cfg.queue_depth)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, GDS_GATHER_PREFETCH=str(cfg.prefetch))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"bench child ({' '.join(cmd[2:5])}) failed: {r.stderr.strip().splitlines()[-1:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -545,7 +558,8 @@ def run_gather(a, cfg: Config) -> dict:
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
     # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
-    cfg, cache_note = apply_cache_option(cfg.with_(queue_depth=a.qd, hot_rows=0), a.cache)
+    cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=0 if a.no_prefetch else None)
+    cfg, cache_note = apply_cache_option(cfg, a.cache)
     made = data_dir(a, cfg)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else default_backends(cfg)
     for b in backends:
@@ -563,7 +577,10 @@ def run_gather(a, cfg: Config) -> dict:
             else:
                 raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
     facts = bench_facts(tables[0][1], cfg)
-    print_header("gather", facts, [cold_method(a), cache_note], quick=a.quick)
+    ahead = ("direct is handed the next batch's ids before each read (Table.prefetch, as a prefill does; "
+             "--no-prefetch: off)" if cfg.prefetch else "no prefetch (--no-prefetch): every backend reads one "
+             "batch at a time")
+    print_header("gather", facts, [cold_method(a), cache_note, ahead], quick=a.quick)
     print(fit(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median "
               f"rows/s); MiB requested = what the readers asked for, delivered = the bytes counter above, device = "
               f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
