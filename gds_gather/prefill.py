@@ -1,7 +1,8 @@
 """The main job: a prefill's per-layer-embedding fetch, ubatch by ubatch, with the table on disk.
 
-This version runs the CPU pipeline: per ubatch the host computes the PLE row ids (qwen4exp n-gram hashes, or
-gemma's token rows), plans the deduplicated reads, reads and dequantizes them exactly.
+Per ubatch the host computes the PLE row ids (qwen4exp n-gram hashes, or one row per token: family.py), plans the
+deduplicated reads and reads them; pipeline.GpuPrefill dequantizes them on the GPU inside a graph where there is
+one, pipeline.CpuPrefill exactly with gguf's dequantizer on the host otherwise.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tqdm import tqdm
 
 from . import rowcache
 from .config import Config
-from .errors import GatherError, TableLayoutError
+from .errors import GatherError
+from .family import family_of
 from .table import open_table
 from .text import prompt_tokens
 
@@ -31,57 +33,22 @@ def default_model(cfg: Config, progress: bool = True) -> Path:
     return path
 
 
-def per_layer_layout(table) -> tuple[int, int]:
-    """(layers, elements per layer) of a token-indexed table's rows, from the model's metadata:
-    {arch}.block_count and {arch}.embedding_length_per_layer_input (GGUF models, `convert` outputs, and the
-    config.json of a transformers checkpoint); either one is enough when it divides the row."""
-    arch, width = table.arch or "?", table.row_elems
-    n_layer = table.field(f"{arch}.block_count")
-    per = table.field(f"{arch}.embedding_length_per_layer_input")
-    if per is None and n_layer and width % int(n_layer) == 0:
-        per = width // int(n_layer)
-    if n_layer is None and per and width % int(per) == 0:
-        n_layer = width // int(per)
-    if not n_layer or not per:
-        raise TableLayoutError(f"{table.model_path}: no per-layer layout for its {width}-element rows (arch "
-                               f"{arch!r} has no {arch}.block_count or {arch}.embedding_length_per_layer_input); "
-                               "prefill needs the layer count")
-    n_layer, per = int(n_layer), int(per)
-    if n_layer * per != width:
-        raise TableLayoutError(f"{table.model_path}: {n_layer} layers x {per} elements per layer != its rows' "
-                               f"{width} elements")
-    return n_layer, per
-
-
 class RowMapper:
-    """Token ids -> PLE row ids for one model, carrying qwen4exp's n-gram history across ubatches; also the
-    model's per-layer layout: gemma-like tables split each row into n_layer slices of per_layer elements, scaled
-    by row_scale = sqrt(per_layer); qwen4exp's rows are used flat and unscaled."""
+    """Token ids -> PLE row ids for one table, carrying qwen4exp's n-gram history across ubatches, and the prompt's
+    tokenizer. What differs between model families (row ids, per-layer layout, kernel layout, trunk) is its
+    `family` (family.py); the family's geometry is copied here for the pipelines and benches."""
 
     def __init__(self, table):
         from .tokenizer import tokenizer_name
-        self.arch = table.arch
-        self.n_rows = table.n_rows
+        self.family = f = family_of(table)
+        self.arch, self.n_rows = table.arch, table.n_rows
+        self.n_vocab, self.reserved, self.rows_per_token = f.n_vocab, f.reserved, f.rows_per_token
+        self.n_layer, self.per_layer, self.row_scale = f.n_layer, f.per_layer, f.row_scale
+        self.gemma = f.split_per_layer      # GpuPrefill's name for it (family.kernel_args / trunk_rows replace it)
         self.prev = None
         self._meta = table.reader
         # the model's own tokenizer when the first shard carries tokenizer.ggml.tokens, else text.py's word level
         self.tokenizer_name = tokenizer_name(table.reader)    # 'gguf-<tokenizer.ggml.model>' or 'word-level'
-        self.gemma = self.arch != "qwen4exp"
-        if not self.gemma:
-            from .model import PRESETS, Qwen4expHParams
-            self.hp = Qwen4expHParams.from_reader(table.reader)
-            n_tok = table.field("tokenizer.ggml.tokens")
-            self.n_vocab = len(n_tok) if n_tok else PRESETS["qwen4exp"].n_vocab
-            self.reserved = tuple(x for x in (self.hp.eos_token_id, self.hp.image_token_id) if x is not None)
-            self.rows_per_token = self.hp.n_heads
-            self.n_layer, self.per_layer, self.row_scale = None, table.row_elems, 1.0
-        else:   # gemma4, gemma3n and any token-indexed table: one row per token
-            self.n_vocab = table.n_rows
-            self.reserved = ()
-            self.rows_per_token = 1
-            from .model import ple_scales
-            self.n_layer, self.per_layer = per_layer_layout(table)
-            self.row_scale = ple_scales(1, self.per_layer)[0]        # sqrt(per_layer) as llama.cpp computes it
 
     @functools.cached_property
     def tokenizer(self):
@@ -90,13 +57,8 @@ class RowMapper:
         return GGUFTokenizer.from_reader(self._meta)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        if not self.gemma:
-            from .model import next_prev, ple_rows
-            rows = ple_rows(tokens, self.hp, prev=self.prev)
-            self.prev = next_prev(tokens, self.prev, self.hp.ngram_size)
-            return rows
-        from .model import gemma_row_ids
-        return gemma_row_ids(tokens, self.n_rows)     # one row per token; clear error past the table's end
+        rows, self.prev = self.family.row_ids(tokens, self.prev)
+        return rows
 
 
 def default_trunk(gpu: bool) -> str:
@@ -162,8 +124,7 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
         if log:
             log(f"model     {path}")
             log(f"table     {t.arch or '?'}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes} B = "
-                f"{t.n_bytes / 2**20:,.1f} MiB" + (f"; {mapper.n_layer} layers x {mapper.per_layer} per layer"
-                                                   if mapper.gemma else ""))
+                f"{t.n_bytes / 2**20:,.1f} MiB{mapper.family.layout_note()}")
             log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
                 f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatch{'es' if n_ub != 1 else ''} of up to {ubatch}"
                 f"{(', page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
