@@ -34,7 +34,7 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
 def run_prefill_bench(a, cfg: Config) -> dict:
     import gds_gather as gg
     from ..platform import detect
-    from ..prefill import default_model, default_trunk, run_prefill
+    from ..prefill import PrefillOptions, default_model, default_trunk, run_prefill
     q = a.quick
     a.tokens = a.tokens or (2048 if q else 8192)
     a.ubatch = a.ubatch or (1024 if q else 2048)
@@ -75,8 +75,8 @@ def run_prefill_bench(a, cfg: Config) -> dict:
               "prefill alone", flush=True)
     result = {"bench": "prefill", "facts": facts, "backends": backends, "trunk": trunk, "pipeline": pipeline,
               "tokens": a.tokens, "ubatch": a.ubatch, "repeat": a.repeat, "models": []}
-    kw = dict(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, cold=False, trunk=trunk,
-              dtype=a.dtype, progress=False, log=None)
+    base = PrefillOptions(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, trunk=trunk,
+                          dtype=a.dtype, progress=False, log=None)
     for model in models:
         with gg.open_table(model, config=cfg) as t:
             table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
@@ -85,7 +85,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         print("\n" + fit(f"## {model} ({desc})", "   "), flush=True)
         def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
             name, _, mod = b.partition(":")
-            return run_prefill(model, cfg, backend=name, **{**kw, "graph": kw["graph"] and mod != "nograph"})
+            return run_prefill(model, cfg, base, backend=name, graph=base.graph and mod != "nograph")
         for b in backends:                      # warm-up: first-use costs (native build, kernels, graphs)
             one(b)
         m = {"model": str(model), "table": desc, "runs": []}
