@@ -110,7 +110,7 @@ def _bs_name(bs: int) -> str:
 
 
 def _bytes_read(t) -> int:
-    return sum(getattr(r, "bytes_read", 0) for r in [*t._readers.values(), *t._sinks.values()])
+    return t.stats()["bytes_requested"]
 
 
 def _fetch(t, b: str, plan, stream) -> None:
@@ -131,8 +131,8 @@ def _open_for(path, cfg, b: str, stream):
 
 def _how(t, b: str) -> str:
     if b.startswith("gpu:"):
-        return next(iter(t._sinks.values())).how
-    return t._readers[b].how
+        return t.readers()[1][0].how        # the one destination _open_for's fetch opened
+    return t.open_reader(b).how
 
 
 def table_stats(t) -> dict | None:
@@ -363,7 +363,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         trace, desc = _trace(t, a)
         data = t.path                       # the file holding the table (a shard of a split model)
         geo = dict(n_rows=t.n_rows, row_bytes=t.row_bytes, qtype=t.qtype.name, align=t.align, arch=t.arch,
-                   table_bytes=t.n_bytes, window=t._typical_window())
+                   table_bytes=t.n_bytes, window=t.typical_window())
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
@@ -459,7 +459,7 @@ def _direct_threads(path, cfg) -> int:
     """direct's submitting threads on a memory filesystem (the native pread pool), else 1 (io_uring)."""
     import gds_gather as gg
     with gg.open_table(path, config=cfg) as t:
-        r = t._reader("direct")
+        r = t.open_reader("direct")
         return r.threads if getattr(r, "ring", None) is None else 1
 
 
