@@ -479,7 +479,8 @@ def _fio_tmpfs(path, a, jobs) -> dict | None:
 
 
 def _ratios(out: dict, med: dict, geo: dict, a) -> None:
-    """The row-cache issue's ratios (always, with targets), the I/O issue's (targets with --targets), fio's."""
+    """Ratios against baselines measured in the same run: direct vs the other backends per pass (with their
+    targets), direct vs fio's IOPS on the same file, and the --targets ones (cold direct vs mmap, pread, fio)."""
     out["ratios"] = {}
     print("ratios (median rows/s):")
     for p, (others, tgt) in TARGETS.items():

@@ -27,7 +27,7 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", help="row cache budget (e.g. 16M, 0 = off): Config(cache_bytes=...) where this build "
                                    "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
     p.add_argument("--targets", action="store_true",
-                   help="the prefill issue's ratios: adds direct:nograph (GPU), fio's IOPS on the same file, and "
+                   help="the prefill's targets: adds direct:nograph (GPU), fio's IOPS on the same file, and "
                         "direct cold vs min(resident, storage-bound tok/s) and vs mmap")
 
 
@@ -139,7 +139,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         get = {(r["backend"], r["cache"]): r["tok_per_s_median"] for r in m["runs"]}
         print("ratios (median tok/s):")
         resident = get.get(("resident", "warm")) or get.get(("resident", "cold"))
-        if ("direct", "cold") in get and resident:       # the row-cache issue's target
+        if ("direct", "cold") in get and resident:       # the row cache's target: cold direct near resident
             rc = next((r["row_cache"] for r in m["runs"] if r["backend"] == "direct" and r["cache"] == "cold"
                        and r["row_cache"]), None) or {}
             budget = rc.get("cache_budget_bytes")
@@ -196,7 +196,7 @@ def _x(x) -> str:
 
 
 def _prefill_targets(path, get: dict, runs: list, a) -> dict:
-    """The prefill issue's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
+    """The prefill's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
     from .. import measure
     cold = next(r for r in runs if r["backend"] == "direct" and r["cache"] == "cold")
     rows_per_tok = cold["unique_rows"] / max(1, a.tokens)
@@ -207,7 +207,7 @@ def _prefill_targets(path, get: dict, runs: list, a) -> dict:
     d = get[("direct", "cold")]
     t = {"direct_cold_tok_s": d, "unique_rows_per_token": rows_per_tok, "fio_4k_iops": iops,
          "storage_bound_tok_s": bound, "resident_tok_s": resident}
-    print("targets (prefill issue):")
+    print("targets:")
     if iops:
         print(f"  storage-bound tok/s = fio 4K randread {iops:,.0f} IOPS / {rows_per_tok:.2f} unique rows per token "
               f"= {bound:,.0f}")
