@@ -8,11 +8,9 @@ Importing this package never touches the GPU, cupy or kvikio.
 """
 from .backends import Backend, backends
 from .config import Config
-from .arrays import BadDtypeError
-from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelMismatchError, NotGGUFError,
-                     NotSafetensorsError, ReadError, RowWidthError, TableClosedError, TableLayoutError,
-                     TableNotFoundError,
-                     TruncatedFileError, UnsupportedTypeError)
+from .errors import (BackendError, BadDtypeError, BadIdsError, GatherError, HeaderError, ModelMismatchError,
+                     NotGGUFError, NotSafetensorsError, ReadError, RowWidthError, TableClosedError, TableLayoutError,
+                     TableNotFoundError, TruncatedFileError, UnsupportedTypeError)
 from .planner import ReadPlan, plan_rows
 from .table import DEFAULT_TENSOR, Table, open_table
 

@@ -140,11 +140,12 @@ def cmd_prefill(args, cfg: Config) -> int:
                           f"model)")
     args.dtype = args.dtype or "bfloat16"
     args.tokens = 8192 if args.tokens is None else args.tokens
-    from .prefill import run_prefill
-    result = run_prefill(args.model, cfg, prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch,
-                         backend=args.backend, graph=not args.no_graph, cold=args.cold, drop_caches=args.drop_caches, trunk=args.trunk,
-                         dtype=args.dtype, progress=not args.json, log=_stderr if args.json else print,
-                         cache=args.cache)
+    from .prefill import PrefillOptions, run_prefill
+    options = PrefillOptions(prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch, backend=args.backend,
+                             graph=not args.no_graph, cold=args.cold, drop_caches=args.drop_caches, trunk=args.trunk,
+                             dtype=args.dtype, cache=args.cache, progress=not args.json,
+                             log=_stderr if args.json else print)
+    result = run_prefill(args.model, cfg, options)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
     return 0

@@ -30,10 +30,8 @@ class Config:
     max_waste: float = 16.0     # GDS_GATHER_MAX_WASTE: bridge a gap only if it is <= this many bytes per useful
     #                             byte of the row the merge brings in (caps what merging adds to the amplification)
     threads: int = 0            # GDS_GATHER_THREADS: reader threads; 0 = 2 x cores
-    queue_depth: int = 256      # GDS_GATHER_QUEUE_DEPTH: reads in flight for the batched engines. 256 (was 128):
-    #                             the cold qwen4exp-geometry gather pass (21.5k 4 KiB windows per batch) took
-    #                             260-320 ms of CPU instead of 340-360 ms (half the io_uring_enter calls: each waits
-    #                             for a quarter of the queue) and ran 3-7% faster, on the development VM
+    queue_depth: int = 256      # GDS_GATHER_QUEUE_DEPTH: reads in flight for the batched engines (256: half the
+    #                             io_uring_enter calls of 128 on many small windows; docs/decisions.md)
     engine: str = "auto"        # GDS_GATHER_ENGINE: how `direct` submits: auto | uring | threads
     cache_dir: Path = _default_cache_dir()   # GDS_GATHER_CACHE_DIR: where the built-in default model is kept
     cache_bytes: int = -1       # GDS_GATHER_CACHE_BYTES: row cache budget (rows + index), shared by the Tables of one

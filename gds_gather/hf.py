@@ -423,7 +423,13 @@ def _model_class(model_class, name_or_path, kwargs):
     maps the checkpoint's config to. The config is loaded once and passed on to from_pretrained."""
     import transformers
     auto = model_class or transformers.AutoModelForCausalLM
-    if not hasattr(auto, "_model_mapping"):
+    if auto is transformers.AutoModelForCausalLM:
+        mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING      # that Auto class's mapping, public
+    elif hasattr(auto, "_model_mapping"):
+        # another Auto class: transformers (5.24) links an Auto class to its mapping only through this attribute
+        # (from_config would build the model to learn its class)
+        mapping = auto._model_mapping
+    else:
         return auto
     config = kwargs.get("config")
     if config is None or isinstance(config, (str, Path)):
@@ -432,7 +438,7 @@ def _model_class(model_class, name_or_path, kwargs):
         config = transformers.AutoConfig.from_pretrained(config or name_or_path, **hub)
         kwargs["config"] = config
     try:
-        return auto._model_mapping[type(config)]
+        return mapping[type(config)]
     except KeyError:
         raise ModelMismatchError(f"{name_or_path}: {auto.__name__} has no model class for "
                                  f"{type(config).__name__}; pass model_class=") from None

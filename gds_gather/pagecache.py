@@ -2,52 +2,14 @@
 copied from a mapping of the file, or pread where rows are wide enough for none of the file's pages to enter this
 process's RSS; see Residency.take), the rest are read O_DIRECT (which still adds nothing to the page cache).
 
-Residency comes from mincore over a read-only mapping of the table's span. One mincore of a 2.16 GB table costs
-about 4 ms on the development machine, as much as a whole warm batch, so it is not done per batch: the map is
-refreshed when it is older than max(interval, 50 x the last refresh's cost) (at most 2% of the time goes to it).
-Between refreshes the map can be wrong about pages another process loaded or the kernel evicted: a row believed
-cold is read O_DIRECT (correct, as before); before copying rows believed resident, 8 of their pages are checked
-with one mincore each, and any miss refreshes the map first (a bulk eviction never turns the copy into one major
-fault per row; a page evicted alone costs one fault, of that page only: MADV_RANDOM). A cold file (nothing
-resident) costs one mincore per refresh and nothing per batch.
-
+Residency comes from mincore over a read-only mapping of the table's span. A mincore of a whole table costs as much
+as a warm batch, so the map is refreshed only when older than max(interval, 50 x the last refresh's cost) (at most
+2% of the time). Between refreshes the map can be wrong: a row believed cold is read O_DIRECT (correct); before
+copying rows believed resident, 8 of their pages are checked, and any miss refreshes the map first (a bulk eviction
+never turns the copy into one major fault per row; MADV_RANDOM keeps a lone evicted page's fault to that page).
 Where the kernel has cachestat (Linux 6.5+), a due refresh first asks it how many of the span's pages are cached
-(one syscall, 2-7 us on a cold 2 GB file, about 0.2 ms with a few thousand pages scattered over it): none -> the
-map is "nothing resident" without a mincore (also at a handful of pages, see _update); the same count as at the
-last refresh, nothing evicted since -> the map is kept. Measured on the development VM: mincore of the 2.16 GB
-qwen4exp-geometry table 4-14 ms, of the 1.94 GB gemma4-e4b one 3.8 ms; a cold gemma4-e4b pass of the bench (4
-batches) takes about 25 ms, so one mincore in it cost ~15%.
-
-Why mincore, not RWF_NOWAIT (issue 10 point 2: both built and measured). The other way reads every unique row of a
-batch buffered through io_uring with RWF_NOWAIT (uring.Ring.read(nowait=True): -EAGAIN or a short read is a miss)
-and the windows holding a missed row O_DIRECT. `flock /tmp/gg-bench.lock python3 bench/bench_pagecache.py` on the
-development VM (2 cores, Linux 6.18, ext4 on virtio), the gather bench's real-text trace (8,192 tokens, 4 batches
-of 2,048), row cache off, a fresh reader per pass, bytes checked against the file every pass; ms per batch, medians
-of 3 interleaved passes, three runs; "again" = the same reader over the trace a second time:
-
-    table (unique rows per batch)   state              mincore             RWF_NOWAIT
-    qwen4exp 90 B (~23,000)         cold               242 / 219 / 219     376 / 386 / 395
-                                    warm               19.4 / 19.7 / 25.2  22.7 / 22.6 / 21.6
-                                    warm, again        1.54 / 1.46 / 2.19  22.0 / 17.5 / 18.3
-                                    half-warm          102 / 89 / 105      184 / 160 / 188
-    gemma4-e4b 7,392 B (~450)       cold               9.1 / 8.2 / 10.6    9.1 / 10.3 / 11.3
-                                    warm               3.4 / 3.2 / 4.6     1.4 / 1.4 / 1.6
-                                    warm, again        0.74 / 0.73 / 0.88  1.26 / 1.11 / 1.40
-                                    half-warm          5.0 / 5.4 / 6.5     4.2 / 4.8 / 5.4
-
-(half-warm: only every other batch's rows cached; in run 3 the gemma4-e4b windows were aligned to the device's 512 B
-logical block, a change made meanwhile for wide rows, and both ways read those same windows.)
-
-The rule: mincore. A NOWAIT read costs about 1 us of submission per row whether it hits or misses (23,000 rows:
-17-22 ms a warm batch against 1.5-2.2 ms of copies), and on this kernel a miss is not free: the read returns -EAGAIN
-only after starting a buffered read of the missed pages, so every miss is read from the device twice (cold qwen4exp
-pass: 583 MiB read vs 360 MiB) and the page cache grows by it (289 MiB; "O_DIRECT adds nothing to the page cache" no
-longer holds, which is also why NOWAIT's "again" passes after a cold or half-warm first pass hit everything). NOWAIT
-won or tied only a fresh reader's first pass over a warm or half-warm file (gemma4-e4b: 1.4-1.6 vs 3.2-4.6 and
-4.2-5.4 vs 5.0-6.5 ms; qwen4exp warm 21.6-22.7 vs 19.4-25.2), where mincore's one-time costs show: a refresh of the
-whole span (~6.7 ms for the 1.94 GB table, 1.7 ms per batch of a 4-batch pass; 4-5 ms per batch on the 2.16 GB one)
-and the first faults on the fresh mapping; a long-lived reader pays them once, and then mincore is faster (0.73-0.88
-vs 1.1-1.4 ms; 1.5-2.2 vs 17-22 ms).
+(one syscall): none, or the same count as last time with nothing evicted, skips the mincore. mincore rather than
+RWF_NOWAIT reads: a NOWAIT miss still reads the pages into the page cache (docs/decisions.md has the figures).
 """
 from __future__ import annotations
 
@@ -107,11 +69,9 @@ class Residency:
     # A batch whose rows touch at most span pages / EXACT_DIV pages asks mincore about its own rows (one native call,
     # one mincore per row) instead of building a map of the whole span, until those calls have cost as much as one
     # map refresh would (estimated at MINCORE_NS_PER_PAGE; then the map, as for wide batches): a new Table's first
-    # batches skip the refresh, a long run pays at most twice the cheaper way. Measured on the development VM, 16
-    # warm gemma4-e4b batches of 2,048 tokens (~1,000 rows each, 473,000-page table): the map's first refresh 6.4-7.4
-    # ms; per-row calls 0.35 ms a batch; the map's lookups ~0.1 ms. qwen4exp's ~23,000 rows per batch keep the map.
+    # batches skip the refresh, a long run pays at most twice the cheaper way (figures: docs/decisions.md).
     EXACT_DIV = 64
-    MINCORE_NS_PER_PAGE = 15.0     # 6.4-7.4 ms for 473,000 pages on the development VM
+    MINCORE_NS_PER_PAGE = 15.0     # a whole-span mincore's cost per page (docs/decisions.md)
 
     def __init__(self, path, data_offset: int, n_bytes: int, *, interval: float = 0.25, config=None):
         self.interval = interval
@@ -263,10 +223,9 @@ class Residency:
         return ok
 
     def _still_resident(self, pages: np.ndarray, samples: int = 8) -> bool:
-        """mincore of up to `samples` pages spread over those believed resident (one page each, ~15 us through
-        ctypes: 32 samples were 0.5 ms of a 2.5 ms warm gemma4-e4b batch): a bulk
-        eviction since the last refresh (memory pressure, a benchmark going cold) shows up here, so the copy
-        never turns into one major fault per row."""
+        """mincore of up to `samples` pages spread over those believed resident (one ctypes call each, so few of
+        them): a bulk eviction since the last refresh (memory pressure, a benchmark going cold) shows up here, so
+        the copy never turns into one major fault per row."""
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
         one = np.zeros(1, np.uint8)
         mincore, base = _libc().mincore, self._base.ctypes.data + self.page0 * PAGE

@@ -69,19 +69,10 @@ class Stats:
 
 def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
     """The synthetic trunk matching the table's model (real shapes, or tiny for the CPU)."""
-    from .model import PRESETS, TrunkConfig
-    if not mapper.gemma:
-        preset = PRESETS["qwen4exp"]
-        layout = {}
-    else:
-        same = [p for p in PRESETS.values() if p.arch == table.arch and p.n_layer == mapper.n_layer
-                and p.n_embd_per_layer == mapper.per_layer]
-        preset = same[0] if same else next(p for p in PRESETS.values()
-                                           if p.arch == (table.arch if table.arch == "gemma3n" else "gemma4"))
-        layout = dict(n_layer=mapper.n_layer, n_embd_per_layer=mapper.per_layer)   # the table's, always
+    from .model import TrunkConfig
+    preset, layout = mapper.family.trunk_preset()
     if trunk == "tiny":
-        cfg = TrunkConfig.tiny(preset.arch, ple_width=table.row_elems * mapper.rows_per_token,
-                               n_layer=layout.get("n_layer"))
+        cfg = TrunkConfig.tiny(preset.arch, ple_width=mapper.family.ple_width, n_layer=layout.get("n_layer"))
     else:
         cfg = TrunkConfig.from_preset(preset, **layout)
     return _build_trunk(cfg, seed, str(device), dtype)
@@ -531,19 +522,16 @@ class CpuPrefill:
             import torch
             self.torch = torch
             self.trunk = _trunk_for(table, mapper, torch.device("cpu"), torch.float32, trunk, seed)
-        self.gemma = mapper.gemma
+        self.family = mapper.family
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
         table.open_reader(self.backend)      # engine start-up before the clock (and residency learned meanwhile)
         table.prefetch([], self.backend)     # ... and the prefetch readers
 
     def per_layer_rows(self, rows_f32: np.ndarray, n: int):
-        """Kernel-equivalent layout: gemma [n_layer, T, per_layer] x sqrt(per_layer); qwen4exp [T, 16*160]."""
-        torch, m = self.torch, self.mapper
-        x = torch.from_numpy(rows_f32)
-        if self.gemma:
-            return (x.view(n, m.n_layer, m.per_layer) * m.row_scale).permute(1, 0, 2).contiguous()
-        return x.view(n, -1)
+        """The trunk's per-layer rows from the kernel-equivalent layout (family.kernel_rows)."""
+        f = self.family
+        return f.trunk_rows(f.kernel_rows(self.torch.from_numpy(rows_f32), n), n)
 
     def _fetch(self, tokens: np.ndarray, k: int):
         """Row ids, plan and raw rows of the ubatch at token k (run in order, on the reader thread). The next

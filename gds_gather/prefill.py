@@ -1,19 +1,23 @@
 """The main job: a prefill's per-layer-embedding fetch, ubatch by ubatch, with the table on disk.
 
-This version runs the CPU pipeline: per ubatch the host computes the PLE row ids (qwen4exp n-gram hashes, or
-gemma's token rows), plans the deduplicated reads, reads and dequantizes them exactly.
+Per ubatch the host computes the PLE row ids (qwen4exp n-gram hashes, or one row per token: family.py), plans the
+deduplicated reads and reads them; pipeline.GpuPrefill dequantizes them on the GPU inside a graph where there is
+one, pipeline.CpuPrefill exactly with gguf's dequantizer on the host otherwise.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
 
 from . import rowcache
 from .config import Config
-from .errors import GatherError, TableLayoutError
+from .errors import GatherError
+from .family import family_of
 from .table import open_table
 from .text import prompt_tokens
 
@@ -31,57 +35,22 @@ def default_model(cfg: Config, progress: bool = True) -> Path:
     return path
 
 
-def per_layer_layout(table) -> tuple[int, int]:
-    """(layers, elements per layer) of a token-indexed table's rows, from the model's metadata:
-    {arch}.block_count and {arch}.embedding_length_per_layer_input (GGUF models, `convert` outputs, and the
-    config.json of a transformers checkpoint); either one is enough when it divides the row."""
-    arch, width = table.arch or "?", table.row_elems
-    n_layer = table.field(f"{arch}.block_count")
-    per = table.field(f"{arch}.embedding_length_per_layer_input")
-    if per is None and n_layer and width % int(n_layer) == 0:
-        per = width // int(n_layer)
-    if n_layer is None and per and width % int(per) == 0:
-        n_layer = width // int(per)
-    if not n_layer or not per:
-        raise TableLayoutError(f"{table.model_path}: no per-layer layout for its {width}-element rows (arch "
-                               f"{arch!r} has no {arch}.block_count or {arch}.embedding_length_per_layer_input); "
-                               "prefill needs the layer count")
-    n_layer, per = int(n_layer), int(per)
-    if n_layer * per != width:
-        raise TableLayoutError(f"{table.model_path}: {n_layer} layers x {per} elements per layer != its rows' "
-                               f"{width} elements")
-    return n_layer, per
-
-
 class RowMapper:
-    """Token ids -> PLE row ids for one model, carrying qwen4exp's n-gram history across ubatches; also the
-    model's per-layer layout: gemma-like tables split each row into n_layer slices of per_layer elements, scaled
-    by row_scale = sqrt(per_layer); qwen4exp's rows are used flat and unscaled."""
+    """Token ids -> PLE row ids for one table, carrying qwen4exp's n-gram history across ubatches, and the prompt's
+    tokenizer. What differs between model families (row ids, per-layer layout, kernel layout, trunk) is its
+    `family` (family.py); the family's geometry is copied here for the pipelines and benches."""
 
     def __init__(self, table):
         from .tokenizer import tokenizer_name
-        self.arch = table.arch
-        self.n_rows = table.n_rows
+        self.family = f = family_of(table)
+        self.arch, self.n_rows = table.arch, table.n_rows
+        self.n_vocab, self.reserved, self.rows_per_token = f.n_vocab, f.reserved, f.rows_per_token
+        self.n_layer, self.per_layer, self.row_scale = f.n_layer, f.per_layer, f.row_scale
+        self.gemma = f.split_per_layer      # GpuPrefill's name for it (family.kernel_args / trunk_rows replace it)
         self.prev = None
         self._meta = table.reader
         # the model's own tokenizer when the first shard carries tokenizer.ggml.tokens, else text.py's word level
         self.tokenizer_name = tokenizer_name(table.reader)    # 'gguf-<tokenizer.ggml.model>' or 'word-level'
-        self.gemma = self.arch != "qwen4exp"
-        if not self.gemma:
-            from .model import PRESETS, Qwen4expHParams
-            self.hp = Qwen4expHParams.from_reader(table.reader)
-            n_tok = table.field("tokenizer.ggml.tokens")
-            self.n_vocab = len(n_tok) if n_tok else PRESETS["qwen4exp"].n_vocab
-            self.reserved = tuple(x for x in (self.hp.eos_token_id, self.hp.image_token_id) if x is not None)
-            self.rows_per_token = self.hp.n_heads
-            self.n_layer, self.per_layer, self.row_scale = None, table.row_elems, 1.0
-        else:   # gemma4, gemma3n and any token-indexed table: one row per token
-            self.n_vocab = table.n_rows
-            self.reserved = ()
-            self.rows_per_token = 1
-            from .model import ple_scales
-            self.n_layer, self.per_layer = per_layer_layout(table)
-            self.row_scale = ple_scales(1, self.per_layer)[0]        # sqrt(per_layer) as llama.cpp computes it
 
     @functools.cached_property
     def tokenizer(self):
@@ -90,13 +59,8 @@ class RowMapper:
         return GGUFTokenizer.from_reader(self._meta)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        if not self.gemma:
-            from .model import next_prev, ple_rows
-            rows = ple_rows(tokens, self.hp, prev=self.prev)
-            self.prev = next_prev(tokens, self.prev, self.hp.ngram_size)
-            return rows
-        from .model import gemma_row_ids
-        return gemma_row_ids(tokens, self.n_rows)     # one row per token; clear error past the table's end
+        rows, self.prev = self.family.row_ids(tokens, self.prev)
+        return rows
 
 
 def default_trunk(gpu: bool) -> str:
@@ -106,33 +70,61 @@ def default_trunk(gpu: bool) -> str:
     return "real" if gpu else "none"
 
 
-def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens: int | None = 8192,
-                ubatch: int = 2048, backend: str | None = None, graph: bool = True, cold: bool = False,
-                trunk: str | None = None, dtype: str = "bfloat16", seed: int = 0, progress: bool = True,
-                log=print, collect: bool = False, tokens_override=None, cache: int | None = None,
-                drop_caches: bool = False) -> dict:
+@dataclass(frozen=True, eq=False)
+class PrefillOptions:
+    """What one prefill runs: the CLI's `prefill` options, `bench prefill`'s per-run choices, a test's knobs.
+
+    prompt: a text file (None: the default text); n_tokens: how many of its tokens (None: all); ubatch: tokens per
+    ubatch; backend: None = auto; graph: CUDA graphs on a GPU; trunk: 'real' (the preset's shapes), 'tiny' or
+    'none' (CPU only: the PLE step alone), None = default_trunk; cold: evict the table file's pages from the page
+    cache first (posix_fadvise; nothing else is touched); drop_caches: instead empty the WHOLE machine's page cache
+    (root); cache: the row cache budget in bytes (-1 auto, 0 off; None: Config's); log: where the human lines go
+    (None: nowhere); collect: return each ubatch's per-layer inputs and hidden states under "outputs" (tests);
+    tokens_override: these token ids instead of the prompt's.
+    """
+    prompt: str | Path | None = None
+    n_tokens: int | None = 8192
+    ubatch: int = 2048
+    backend: str | None = None
+    graph: bool = True
+    cold: bool = False
+    drop_caches: bool = False
+    trunk: str | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    cache: int | None = None
+    progress: bool = True
+    log: Callable[[str], None] | None = print
+    collect: bool = False
+    tokens_override: Any = None
+
+    def __post_init__(self) -> None:
+        if self.ubatch <= 0:
+            raise ValueError(f"--ubatch must be > 0, got {self.ubatch}")
+
+    def with_(self, **changes) -> "PrefillOptions":
+        return replace(self, **changes)
+
+
+def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions | None = None, **changes) -> dict:
     """Run the prefill: on the GPU (graph-captured fetch-dequant + trunk) where there is one, else on the CPU.
 
-    trunk: 'real' (the preset's shapes), 'tiny' or 'none' (CPU only: the PLE step alone); default_trunk says
-    which runs when None. collect=True returns each ubatch's per-layer inputs and hidden states under "outputs"
-    (tests); tokens_override replaces the prompt. cold: evict the table file's pages from the page cache first
-    (posix_fadvise; nothing else is touched); drop_caches: instead empty the WHOLE machine's page cache (root).
-    """
+    options (default PrefillOptions()), with any of its fields given as keywords on top (`ubatch=64`)."""
+    o = (options or PrefillOptions()).with_(**changes)
+    log, ubatch = o.log, o.ubatch
     from . import measure
     from .measure import fit
     from .pipeline import CpuPrefill, GpuPrefill, trunk_label
     from .platform import detect
     cfg = cfg or Config.from_env()
-    if cache is not None:
-        cfg = cfg.with_(cache_bytes=cache)       # row cache budget in bytes (-1 auto, 0 off)
-    if cold or drop_caches:
+    if o.cache is not None:
+        cfg = cfg.with_(cache_bytes=o.cache)     # row cache budget in bytes (-1 auto, 0 off)
+    if o.cold or o.drop_caches:
         cfg = cfg.with_(hot_rows=0)              # cold: no rows from an earlier process either (hotrows.py)
-    if ubatch <= 0:
-        raise ValueError(f"--ubatch must be > 0, got {ubatch}")
-    path = Path(model) if model else default_model(cfg, progress)
+    path = Path(model) if model else default_model(cfg, o.progress)
     plat = detect(cfg.platform)
     gpu = plat.kind != "cpu"
-    trunk = trunk or default_trunk(gpu)
+    trunk = o.trunk or default_trunk(gpu)
     if trunk != "none" and not gpu:
         import importlib.util
         if importlib.util.find_spec("torch") is None:
@@ -140,9 +132,9 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                               "the PLE step alone")
     with open_table(path, config=cfg) as t:
         mapper = RowMapper(t)
-        tokens = (np.asarray(tokens_override, np.int64) if tokens_override is not None else
-                  prompt_tokens(mapper.n_vocab, mapper.reserved, prompt, n_tokens, tokenizer=mapper.tokenizer))
-        cold = cold or drop_caches
+        tokens = (np.asarray(o.tokens_override, np.int64) if o.tokens_override is not None else
+                  prompt_tokens(mapper.n_vocab, mapper.reserved, o.prompt, o.n_tokens, tokenizer=mapper.tokenizer))
+        cold, drop_caches = o.cold or o.drop_caches, o.drop_caches
         if drop_caches and not measure.drop_caches():
             if log:
                 log("note      --drop-caches needs root: evicting the table file only")
@@ -154,32 +146,32 @@ def run_prefill(model=None, cfg: Config | None = None, *, prompt=None, n_tokens:
                     + ("; that is the whole table: this run is warm" if left >= t.data_offset + t.n_bytes else ""))
         cache0 = measure.resident_bytes(t.path)
         if gpu:
-            pipe = GpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, graph=graph, dtype=dtype,
-                              seed=seed, trunk=trunk, config=cfg)
+            pipe = GpuPrefill(t, mapper, backend=o.backend or "auto", ubatch=ubatch, graph=o.graph, dtype=o.dtype,
+                              seed=o.seed, trunk=trunk, config=cfg)
         else:
-            pipe = CpuPrefill(t, mapper, backend=backend or "auto", ubatch=ubatch, seed=seed, trunk=trunk, config=cfg)
+            pipe = CpuPrefill(t, mapper, backend=o.backend or "auto", ubatch=ubatch, seed=o.seed, trunk=trunk,
+                              config=cfg)
         n_ub = -(-tokens.size // ubatch)
         if log:
             log(f"model     {path}")
             log(f"table     {t.arch or '?'}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes} B = "
-                f"{t.n_bytes / 2**20:,.1f} MiB" + (f"; {mapper.n_layer} layers x {mapper.per_layer} per layer"
-                                                   if mapper.gemma else ""))
-            log(f"prompt    {tokens.size:,} tokens ({'default text' if prompt is None else prompt}; "
+                f"{t.n_bytes / 2**20:,.1f} MiB{mapper.family.layout_note()}")
+            log(f"prompt    {tokens.size:,} tokens ({'default text' if o.prompt is None else o.prompt}; "
                 f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatch{'es' if n_ub != 1 else ''} of up to {ubatch}"
                 f"{(', page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
             log(f"backend   {pipe.backend}: {pipe.why}")
             log("pipeline  " + (f"GPU, {'CUDA graph per (ubatch size, slot)' if pipe.graph else 'eager'} "
-                                f"({pipe.graph_why}), {pipe.how}, {dtype}" if gpu else
+                                f"({pipe.graph_why}), {pipe.how}, {o.dtype}" if gpu else
                                 "CPU (no GPU here): read -> gguf dequantize -> per-layer inputs, no graph"))
             log(fit(f"trunk     {trunk_label(pipe.trunk, trunk)}", " " * 10))
         if pipe.backend == "resident" and not gpu:     # resident = in memory before the clock: load it untimed
             t.read_plan(t.plan(np.zeros(1, np.int64)), "resident")
         st0 = t.stats()     # the run's own counts: without the untimed load above
         try:
-            bar = tqdm(total=int(tokens.size), unit="tok", disable=not progress, leave=False)
+            bar = tqdm(total=int(tokens.size), unit="tok", disable=not o.progress, leave=False)
             io = measure.ReadCounter(t.path)          # bytes the storage delivered during the run
-            res = pipe.run(tokens, progress=bar.update, collect=collect)
+            res = pipe.run(tokens, progress=bar.update, collect=o.collect)
             got = io.stop()
             bar.close()
         finally:

@@ -241,12 +241,6 @@ def rows_at(staging: np.ndarray, offsets: np.ndarray, row_bytes: int) -> np.ndar
     return view[offsets]     # (not np.take: on this overlapping view it would copy the whole view first)
 
 
-def rows_from_windows(staging: np.ndarray, plan: ReadPlan) -> np.ndarray:
-    """The unique rows out of window staging, as one vectorized gather (no per-row Python)."""
-    view = np.lib.stride_tricks.sliding_window_view(staging[:plan.window_bytes], plan.row_bytes)
-    return view[plan.row_staging]
-
-
 class MmapReader(Reader):
     """llama.cpp's lazy mode: the table mapped with MADV_RANDOM, rows gathered by page faults (numpy fancy index)."""
 

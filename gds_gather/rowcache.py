@@ -497,13 +497,6 @@ def save_hot(table=None) -> None:
 atexit.register(save_hot)
 
 
-def forget(table) -> None:
-    """Drop the caches of this table's path (its file changed)."""
-    with _CACHES_LOCK:
-        for k in [k for k in _CACHES if k[0] == str(table.path)]:
-            _CACHES.pop(k).close()
-
-
 def drop_all() -> None:
     """Empty every row cache of this process (benchmarks: a truly cold first pass)."""
     with _CACHES_LOCK:

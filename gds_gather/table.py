@@ -278,6 +278,14 @@ class Table:
     def _typical_window(self) -> int:
         return -(-self.row_bytes // self.gds_align) * self.gds_align     # (the gds-or-direct window check)
 
+    def typical_window(self) -> int:
+        """Bytes of one row's aligned read window, the size the gds-or-direct choice is made for."""
+        return self._typical_window()
+
+    def readers(self) -> tuple[list, list]:
+        """(host readers, GPU destinations) this table has opened so far, in the order opened; each has .how."""
+        return list(self._readers.values()), list(self._sinks.values())
+
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
         rows_buffered (a buffered reader's: page cache or device, it cannot tell), rows_prefetched (taken from a

@@ -21,7 +21,6 @@ import hashlib
 import os
 import re
 import stat
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -84,16 +83,6 @@ def iter_text(path, max_bytes: int | None = None, chunk: int | None = None) -> I
     tail = dec.decode(b"", final=True)
     if tail:
         yield tail
-
-
-def load_text(path: str | Path | None, max_bytes: int | None = None) -> str:
-    """The prompt text: the default text, or the first `max_bytes` of the file (see open_prompt)."""
-    if path is None:
-        return default_text()
-    text = "".join(iter_text(path, max_bytes))
-    if not _WORD.search(text):
-        raise PromptError(f"prompt file {path} holds no words")
-    return text
 
 
 class _WordLevel:

@@ -3,12 +3,7 @@
 One thread submits many reads with one `io_uring_enter`; numpy fills the mmapped submission ring and reads the
 completion ring a batch at a time, so no Python runs per read. Short reads are resubmitted for the remainder,
 -EINTR/-EAGAIN are retried, and any other error or an unexpected end of file raises ReadError naming the file
-and offset. `read(..., nowait=True)` is the other mode: buffered reads submitted with RWF_NOWAIT, none retried;
-it returns which extents the page cache could not serve whole (-EAGAIN, -EINTR, a short read, 0 bytes), so the
-caller reads those another way (O_DIRECT). A missed extent's destination may hold a prefix of its bytes: never use
-it. A miss is not free of I/O: measured on Linux 6.18 (preadv2 and io_uring alike), a RWF_NOWAIT read of pages
-not cached returns -EAGAIN and still starts a buffered read of exactly those pages (the page cache grows by them,
-even on a POSIX_FADV_RANDOM fd), so reading the misses O_DIRECT afterwards reads them from the device twice.
+and offset.
 
 Faults never leave reads behind: whatever leaves `read` early (a ReadError on a bad completion, a signal handler
 raising KeyboardInterrupt or a timeout while it waits in io_uring_enter) first drains the ring, that is takes
@@ -42,7 +37,6 @@ FEAT_SINGLE_MMAP, FEAT_EXT_ARG = 1, 1 << 8
 ENTER_GETEVENTS, ENTER_EXT_ARG = 1, 8
 REGISTER_BUFFERS, REGISTER_FILES = 0, 2
 SQE_FIXED_FILE = 1
-RWF_NOWAIT = 0x8           # the rw_flags of a buffered read that the page cache must serve whole, or -EAGAIN
 MAX_CHUNK = 0x7FFFF000      # the most one read returns on Linux (MAX_RW_COUNT), well inside the 32-bit SQE length
 U32 = 0xFFFFFFFF
 DRAIN_TRIES = 64            # exceptions tolerated while draining (signals arriving again) before giving up
@@ -224,7 +218,7 @@ class Ring:
     # -- the batched read loop -----------------------------------------------------------------------------
     def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
              align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None,
-             between=None, nowait: bool = False) -> np.ndarray | None:
+             between=None) -> None:
         """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i.
 
         Keeps up to `queue_depth` reads in flight. expect[i] (default lengths[i]) is how many bytes the file
@@ -237,9 +231,6 @@ class Ring:
         between (optional callable): called once, right after the first submission, while those reads are in
         flight (the caller's CPU work overlaps the device's); an exception from it drains the ring and propagates.
         Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
-        nowait: submit with RWF_NOWAIT (a buffered fd) and retry nothing; returns `missed`, bool [n]: True where
-        the read came back -EAGAIN, -EINTR, short of expect[i] or 0 bytes (such a destination may hold part of the
-        bytes: read it again another way). Other errors still raise. Returns None when nowait is False.
         """
         if not self._lock.acquire(blocking=False):
             raise ReadError(f"{path}: this reader is already reading in another thread; "
@@ -260,21 +251,15 @@ class Ring:
                                                                    addrs.view(np.int64), chunk)
                 addrs = dst.view(np.uint64)
                 lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
-            missed = np.zeros(offsets.shape[0], bool) if nowait else None
             try:
                 self._read(fd, offsets, lengths, addrs, expect, int(align), path,
-                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between, missed)
+                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between)
             except BaseException:
                 self._drain(path)      # the original exception goes on; a second one met while draining is dropped
                 raise
             if src is not None and lat_ns is not None:
                 lat_ns[:] = 0
                 np.maximum.at(lat_ns, src, lat)
-            if missed is not None and src is not None:      # a piece missed: its whole extent missed
-                whole = np.zeros(n, bool)
-                whole[src[missed]] = True
-                missed = whole
-            return missed
         finally:
             self._lock.release()
 
@@ -353,8 +338,7 @@ class Ring:
         _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n), ctypes.c_uint(ENTER_GETEVENTS),
              None, ctypes.c_size_t(0))
 
-    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None,
-              missed=None) -> None:
+    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None) -> None:
         n = offsets.shape[0]
         if lat is not None:
             first = np.zeros(n, np.int64)      # time of each extent's first submission
@@ -369,7 +353,7 @@ class Ring:
         sq["flags"] = SQE_FIXED_FILE if self.files_registered else 0
         sq["fd"] = 0 if self.files_registered else fd
         sq["ioprio"] = sq["buf_index"] = 0
-        sq["rw_flags"] = RWF_NOWAIT if missed is not None else 0
+        sq["rw_flags"] = 0
         f_off, f_addr, f_len, f_ud = sq["off"], sq["addr"], sq["len"], sq["user_data"]
         c_ud, c_res = cq["user_data"], cq["res"]
         mask, cmask, ramp = self._sq_mask, self._cq_mask, self._ramp
@@ -425,10 +409,7 @@ class Ring:
             if self.inject is not None:
                 res = np.asarray(self.inject(res.copy(), idx), np.int64)
             if (res <= 0).any() or (res < lengths[idx] - got[idx]).any():
-                if missed is None:
-                    self._slow_path(idx, res, got, offsets, lengths, expect, align, path, retry)
-                else:
-                    self._nowait_path(idx, res, got, offsets, lengths, expect, path, missed)
+                self._slow_path(idx, res, got, offsets, lengths, expect, align, path, retry)
             else:
                 got[idx] += res            # one read per extent in flight: indices are unique
             if int(self._cq_overflow[0]):
@@ -455,21 +436,6 @@ class Ring:
         if short.size:
             got[short] -= got[short] % align      # O_DIRECT offsets must stay aligned
             retry.append(short)
-
-    @staticmethod
-    def _nowait_path(idx, res, got, offsets, lengths, expect, path, missed) -> None:
-        """RWF_NOWAIT completions that are not whole: -EAGAIN/-EINTR, short or 0 bytes are misses, never retried
-        (a short read is a miss of the whole extent: its destination's prefix is not trusted); other errors raise."""
-        again = (res == -errno.EINTR) | (res == -errno.EAGAIN)
-        bad = (res < 0) & ~again
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            e = -int(res[i])
-            raise ReadError(e, f"{path}: RWF_NOWAIT read of {int(lengths[idx[i]])} bytes at offset "
-                               f"{int(offsets[idx[i]])} failed: {os.strerror(e)}")
-        whole = res >= expect[idx]           # got[idx] is 0: nothing is ever resubmitted in this mode
-        got[idx[whole]] += res[whole]
-        missed[idx[~whole]] = True
 
     def close(self) -> None:
         if getattr(self, "_cqes", None) is not None and not self.foreign and self.fd >= 0:

@@ -33,7 +33,8 @@ from gguf import quants as gq
 
 import gds_gather as gg
 from gds_gather.gguf_file import read_gguf
-from gds_gather.tokenizer import GGUFTokenizer, TokenizerError
+from gds_gather.errors import TokenizerError
+from gds_gather.tokenizer import GGUFTokenizer
 
 CASES = int(os.environ.get("GDS_GATHER_FUZZ_CASES", "500"))
 SEED = int(os.environ.get("GDS_GATHER_FUZZ_SEED", "0"))

@@ -143,7 +143,7 @@ def _gguf_without_layout(path: Path, metadata: dict) -> Path:
 def test_a_table_without_a_layout_is_one_line(tmp_path, metadata, words):
     path = _gguf_without_layout(tmp_path / "x.gguf", metadata)
     with open_table(path) as t:
-        from gds_gather.prefill import per_layer_layout
+        from gds_gather.family import per_layer_layout
         with pytest.raises(TableLayoutError):
             per_layer_layout(t)
     code, out, err = run_cli("prefill", str(path), "--tokens", "10")

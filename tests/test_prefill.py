@@ -165,3 +165,21 @@ def test_device_row_cache_across_ubatches_and_prompts(model, backend, graph, bud
     if budget > 1 << 20:        # the second prompt starts with the first one's rows in the cache
         assert hits[1] > hits[0], hits
     devcache.drop_all()
+
+
+def test_options_object_and_keywords_run_the_same_prefill(model):
+    """run_prefill(path, PrefillOptions(...)) as the CLI calls it, keywords on top of it as bench prefill does, and
+    bare keywords as older callers do: the same rows. A bad ubatch is refused when the options are made."""
+    from gds_gather.prefill import PrefillOptions
+    opts = PrefillOptions(n_tokens=300, ubatch=100, trunk="none", progress=False, log=None, collect=True)
+    a = run_prefill(model, None, opts)
+    b = run_prefill(model, None, opts.with_(ubatch=300))
+    c = run_prefill(model, n_tokens=300, ubatch=300, trunk="none", progress=False, log=None, collect=True)
+    assert (a["ubatches"], b["ubatches"], c["ubatches"]) == (3, 1, 1) and opts.ubatch == 100   # frozen
+    rows = [np.concatenate([np.asarray(x[0]).reshape(-1) for x in r["outputs"]]) for r in (a, b, c)]
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[1], rows[2])
+    with pytest.raises(ValueError, match="--ubatch must be > 0"):
+        PrefillOptions(ubatch=0)
+    with pytest.raises(ValueError, match="--ubatch must be > 0"):
+        run_prefill(model, None, opts, ubatch=-1)

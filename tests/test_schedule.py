@@ -17,8 +17,8 @@ import pytest
 from gds_gather.errors import GatherError, ReadError
 from gds_gather.model import write_model
 from gds_gather.planner import plan_rows
-from gds_gather.schedule import (StagingCapacityError, check_fits, graph_mode, run_ubatches, staging_bound,
-                                 staging_bound_for)
+from gds_gather.errors import StagingCapacityError
+from gds_gather.schedule import check_fits, graph_mode, run_ubatches, staging_bound, staging_bound_for
 
 HANG = 5.0      # a step blocked this long counts as a hang (the real GPU would wait forever)
 

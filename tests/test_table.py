@@ -181,3 +181,17 @@ def test_a_host_read_probes_no_device(small_table, tmp_path):
                        text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[] []"
+
+
+def test_readers_and_typical_window_are_public(small_table):
+    """What a bench reads of a Table without its privates: the readers it has opened (how they run, the bytes
+    they requested, the same total Table.stats() reports) and one row's aligned window."""
+    with gg.open_table(small_table) as t:
+        assert t.readers() == ([], [])
+        t.read_rows(np.array([0, 5, 299]), "pread")
+        t.read_rows(np.array([7]), "mmap")
+        host, dev = t.readers()
+        assert [r.name for r in host] == ["pread", "mmap"] and dev == [] and all(r.how for r in host)
+        assert sum(r.bytes_read for r in host) == t.stats()["bytes_requested"] == 4 * t.row_bytes
+        w = t.typical_window()
+        assert w >= t.row_bytes and w % t.gds_align == 0 and w - t.row_bytes < t.gds_align

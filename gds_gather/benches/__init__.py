@@ -54,7 +54,6 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                                               "(default 3; --quick 2)")
     p.add_argument("--drop-caches", action="store_true", help=DROP_CACHES_HELP + " (POSIX_FADV_DONTNEED "
                    "after fsync, checked with mincore)")
-    p.add_argument("--cold-method", choices=("drop", "evict"), help=argparse.SUPPRESS)   # old spelling
     p.add_argument("--quick", action="store_true", help="a small, short run (smoke test)")
     p.add_argument("--out", help="where outputs go: the JSON file, the plot, made files (default: the cache "
                                  "directory's bench/, ~/.cache/gds-gather/bench or GDS_GATHER_CACHE_DIR/bench)")
@@ -72,8 +71,6 @@ def build_parser(name: str, prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def run(name: str, args, cfg: Config | None = None) -> dict:
-    if getattr(args, "cold_method", None) == "drop":
-        args.drop_caches = True
     return BENCHES[name][1](args, cfg or Config.from_env())
 
 

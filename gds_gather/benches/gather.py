@@ -116,7 +116,6 @@ def _bytes_read(t) -> int:
     return t.stats()["bytes_requested"]      # every reader's: the table's, its GPU sinks', its prefetches'
 
 
-
 def _fetch(t, b: str, plan, stream) -> None:
     if b.startswith("gpu:"):
         t.fetch_device(plan, b[4:], stream)
@@ -138,8 +137,8 @@ def _open_for(path, cfg, b: str, stream):
 
 def _how(t, b: str) -> str:
     if b.startswith("gpu:"):
-        return next(iter(t._sinks.values())).how
-    return t._readers[b].how
+        return t.readers()[1][0].how        # the one destination _open_for's fetch opened
+    return t.open_reader(b).how
 
 
 def table_stats(t) -> dict | None:
@@ -376,7 +375,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         trace, desc = _trace(t, a)
         data = t.path                       # the file holding the table (a shard of a split model)
         geo = dict(n_rows=t.n_rows, row_bytes=t.row_bytes, qtype=t.qtype.name, align=t.align, arch=t.arch,
-                   table_bytes=t.n_bytes, window=t._typical_window())
+                   table_bytes=t.n_bytes, window=t.typical_window())
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
@@ -472,7 +471,7 @@ def _direct_threads(path, cfg) -> int:
     """direct's submitting threads on a memory filesystem (the native pread pool), else 1 (io_uring)."""
     import gds_gather as gg
     with gg.open_table(path, config=cfg) as t:
-        r = t._reader("direct")
+        r = t.open_reader("direct")
         return r.threads if getattr(r, "ring", None) is None else 1
 
 
@@ -492,7 +491,8 @@ def _fio_tmpfs(path, a, jobs) -> dict | None:
 
 
 def _ratios(out: dict, med: dict, geo: dict, a) -> None:
-    """The row-cache issue's ratios (always, with targets), the I/O issue's (targets with --targets), fio's."""
+    """Ratios against baselines measured in the same run: direct vs the other backends per pass (with their
+    targets), direct vs fio's IOPS on the same file, and the --targets ones (cold direct vs mmap, pread, fio)."""
     out["ratios"] = {}
     print("ratios (median rows/s):")
     for p, (others, tgt) in TARGETS.items():

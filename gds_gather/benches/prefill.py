@@ -27,14 +27,14 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", help="row cache budget (e.g. 16M, 0 = off): Config(cache_bytes=...) where this build "
                                    "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
     p.add_argument("--targets", action="store_true",
-                   help="the prefill issue's ratios: adds direct:nograph (GPU), fio's IOPS on the same file, and "
+                   help="the prefill's targets: adds direct:nograph (GPU), fio's IOPS on the same file, and "
                         "direct cold vs min(resident, storage-bound tok/s) and vs mmap")
 
 
 def run_prefill_bench(a, cfg: Config) -> dict:
     import gds_gather as gg
     from ..platform import detect
-    from ..prefill import default_model, default_trunk, run_prefill
+    from ..prefill import PrefillOptions, default_model, default_trunk, run_prefill
     q = a.quick
     a.tokens = a.tokens or (2048 if q else 8192)
     a.ubatch = a.ubatch or (1024 if q else 2048)
@@ -75,8 +75,8 @@ def run_prefill_bench(a, cfg: Config) -> dict:
               "prefill alone", flush=True)
     result = {"bench": "prefill", "facts": facts, "backends": backends, "trunk": trunk, "pipeline": pipeline,
               "tokens": a.tokens, "ubatch": a.ubatch, "repeat": a.repeat, "models": []}
-    kw = dict(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, cold=False, trunk=trunk,
-              dtype=a.dtype, progress=False, log=None)
+    base = PrefillOptions(prompt=a.prompt, n_tokens=a.tokens, ubatch=a.ubatch, graph=not a.no_graph, trunk=trunk,
+                          dtype=a.dtype, progress=False, log=None)
     for model in models:
         with gg.open_table(model, config=cfg) as t:
             table_path, desc = t.path, (f"{t.arch or '?'}, {t.qtype.name} table of {t.n_rows:,} rows x "
@@ -85,7 +85,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         print("\n" + fit(f"## {model} ({desc})", "   "), flush=True)
         def one(b):                             # "direct:nograph" is direct run eagerly (graph vs no-graph)
             name, _, mod = b.partition(":")
-            return run_prefill(model, cfg, backend=name, **{**kw, "graph": kw["graph"] and mod != "nograph"})
+            return run_prefill(model, cfg, base, backend=name, graph=base.graph and mod != "nograph")
         for b in backends:                      # warm-up: first-use costs (native build, kernels, graphs)
             one(b)
         m = {"model": str(model), "table": desc, "runs": []}
@@ -139,7 +139,7 @@ def run_prefill_bench(a, cfg: Config) -> dict:
         get = {(r["backend"], r["cache"]): r["tok_per_s_median"] for r in m["runs"]}
         print("ratios (median tok/s):")
         resident = get.get(("resident", "warm")) or get.get(("resident", "cold"))
-        if ("direct", "cold") in get and resident:       # the row-cache issue's target
+        if ("direct", "cold") in get and resident:       # the row cache's target: cold direct near resident
             rc = next((r["row_cache"] for r in m["runs"] if r["backend"] == "direct" and r["cache"] == "cold"
                        and r["row_cache"]), None) or {}
             budget = rc.get("cache_budget_bytes")
@@ -196,7 +196,7 @@ def _x(x) -> str:
 
 
 def _prefill_targets(path, get: dict, runs: list, a) -> dict:
-    """The prefill issue's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
+    """The prefill's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
     from .. import measure
     cold = next(r for r in runs if r["backend"] == "direct" and r["cache"] == "cold")
     rows_per_tok = cold["unique_rows"] / max(1, a.tokens)
@@ -207,7 +207,7 @@ def _prefill_targets(path, get: dict, runs: list, a) -> dict:
     d = get[("direct", "cold")]
     t = {"direct_cold_tok_s": d, "unique_rows_per_token": rows_per_tok, "fio_4k_iops": iops,
          "storage_bound_tok_s": bound, "resident_tok_s": resident}
-    print("targets (prefill issue):")
+    print("targets:")
     if iops:
         print(f"  storage-bound tok/s = fio 4K randread {iops:,.0f} IOPS / {rows_per_tok:.2f} unique rows per token "
               f"= {bound:,.0f}")
