@@ -33,13 +33,10 @@ PAGE_CACHE_QD = 1024    # buffered reads served from memory: the queue depth is 
 RUN_CHUNK = 256 << 10   # exact-row reads: runs of adjacent rows are read as one extent, split at this size
 # read(on_rows=...) of at least SPLIT_MIN O_DIRECT windows is submitted in two parts, the last quarter of the windows
 # second, and the first part's rows are handed over (copied out of staging, into the row cache) while the second part
-# is read. The two submissions cost nothing measurable on the development VM (the 8k-token gemma4-e4b trace's misses
-# read back to back: 16.8 ms in two parts vs 18.0 in one; 32k tokens: 34.8 vs 33.8; median of 16 and 10); the cold
-# gemma4-e4b pass with hits handed over so: 26.1 vs 27.3 ms (8k tokens, 30 interleaved rounds), 64.9 vs 68.0 (32k, 14).
+# is read: the split costs no measurable I/O time and the hand-over overlaps the copy (docs/decisions.md).
 SPLIT_MIN = 64
-# O_DIRECT staging made at open (an 8 MiB buffer): growing it inside the first read cost 2.3 ms there (fault-in and
-# io_uring registration of fresh memory; the development VM: ~0.25 ms per MiB), about 10% of a cold 8,192-token
-# gemma4-e4b pass, whose 2,048-token batches need 5 MB of windows. Larger batches still grow it in place.
+# O_DIRECT staging made at open, so a first read does not pay the fault-in and io_uring registration of fresh memory
+# (docs/decisions.md); larger batches still grow it in place.
 STAGING_INITIAL = 6 << 20
 
 
@@ -48,18 +45,14 @@ def wide_qd(config: Config, lengths: np.ndarray) -> int:
 
     The rule: every window of a ubatch's misses goes out in one submission. Narrow rows (qwen4exp, 90 B) keep
     queue_depth (256); wide rows (gemma4-e4b, 7,392 B: 7.7 KiB windows at 512-B alignment, 2 pages) get 512, above
-    the 140-440 windows of a 2,048-token ubatch. Measured on the development VM (virtio, 128 device tags), the
-    misses of the 32k-token gemma4-e4b trace read back to back: QD 512 38.3 ms, 128 39.3 ms, 32 46.7 ms (median of
-    10); QD beyond the device's tags neither helps nor hurts, a QD below a batch's windows waits for refills."""
+    the 140-440 windows of a 2,048-token ubatch: a QD below a batch's windows waits for refills, one beyond the
+    device's tags neither helps nor hurts (docs/decisions.md)."""
     pages = -(-int(lengths.sum()) // max(1, lengths.shape[0]) // 4096) if lengths.shape[0] else 1
     return max(1, min(config.queue_depth_max, config.queue_depth * max(1, pages)))
 
 
-# Default O_DIRECT window alignment: at least 4096 even where the device's logical block is 512. Measured on the
-# development VM (virtio disk: 512 B logical, 4096 B physical blocks; ext4), 10^5 random 90 B rows of the 2.16 GB
-# qwen4exp-geometry table, direct via io_uring at QD 128, page cache evicted (POSIX_FADV_DONTNEED) before each
-# timed pass, staging warm, 4 interleaved passes each: 512 B median 1,660 ms (96.1k windows, 59 MB read),
-# 4096 B median 1,110 ms (75.1k windows: neighbours in touching blocks merge; 380 MB read).
+# Default O_DIRECT window alignment of narrow rows: at least 4096 even where the device's logical block is 512
+# (neighbours in touching blocks merge into fewer windows, which costs less than the bytes saved; docs/decisions.md).
 MIN_ALIGN = 4096
 # KvikIO uses GPU-direct storage only for page-aligned reads ("all reads should be at an offset that is a multiple
 # of 4096 bytes", kvikio's docs); default_align may window wide rows at the device's 512-B logical block, so plans
@@ -74,8 +67,7 @@ def default_align(config: Config, path, row_bytes: int = 0) -> int:
     Wide rows: every row needs a window of its own either way (two rows share a block only where their ids are
     adjacent), so a coarser alignment only adds bytes: a 7,392 B gemma4-e4b row is an 8 or 12 KiB window at 4096
     (11.2 KiB mean on the default text), 7.5 or 8 KiB at 512 (7.7 KiB), the same 2,400 requests per 16-batch cold
-    pass. Measured on the development VM (512 B logical blocks): fio randread O_DIRECT QD 128, 12 KiB 54-57k IOPS,
-    7.5 KiB at 512-B offsets 63.5k; the cold pass 66.5 ms at 4096 vs 60.1 ms at 512 (median of 8 interleaved)."""
+    pass (figures: docs/decisions.md)."""
     from .storage import logical_block_size
     if config.align:
         return config.align
@@ -181,10 +173,9 @@ class Staging:
             self._map = None
 
 
-# O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: a cold qwen4exp-geometry
-# batch of 2,048 tokens needs 94 MB of 4 KiB windows; faulting in a fresh 118 MiB staging cost 26-58 ms on the
-# development VM (3-6% of a cold 8,192-token gather pass over a new Table), registering a faulted one with a new
-# ring 2.5-5.5 ms. One buffer of at most POOL_MAX_BYTES is kept; release_staging_pool() frees it.
+# O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: faulting in a fresh one
+# costs far more than registering a faulted one with a new ring (docs/decisions.md). One buffer of at most
+# POOL_MAX_BYTES is kept; release_staging_pool() frees it.
 POOL_MAX_BYTES = 256 << 20
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
@@ -573,7 +564,7 @@ class _Engines(_FdReader):
         self._lib = None
         parts = [("O_DIRECT aligned windows" if self.odirect else "buffered exact rows")]
         if engine == "auto" and self.memory_fs:
-            # io_uring hands buffered tmpfs reads to kernel workers (measured: 0.6x a single pread thread);
+            # io_uring hands buffered tmpfs reads to kernel workers, slower than pread threads (docs/decisions.md);
             # from memory, threads calling pread are the fast path
             engine = "threads"
             self.notices.append("memory filesystem: native pread threads instead of io_uring")

@@ -3,12 +3,11 @@
 Real text repeats tokens and n-grams across ubatches, and O_DIRECT re-reads every row an earlier batch already
 read; the cache keeps rows by row id so a row is read from the file once while it stays hot.
 
-Policy (measured on the default text's traces, see the module's tests and the README): TinyLFU-style. Every
-lookup counts the batch's unique rows in a 4-row count-min sketch (uint8, halved every 10 x capacity counts);
-misses fill free slots first; once full, a miss is admitted only where its estimated frequency beats that of a
-victim drawn from a sweeping sample of slots (sampled LFU), never a slot the current batch hit. On the qwen4exp
-trace (1.82M row ids) it kept 0.16/0.23/0.29 of per-batch unique rows at 2/5/10 MB where CLOCK kept
-0.07/0.18/0.25 and S3-FIFO 0.13/0.19/0.24; on gemma4-e4b 0.38/0.57/0.70 at 2/5/10 MB vs CLOCK 0.02/0.49/0.67.
+Policy: TinyLFU-style (it kept more of the default text's per-batch rows than CLOCK and S3-FIFO at every budget
+tried: docs/decisions.md). Every lookup counts the batch's unique rows in a 4-row count-min sketch (uint8, halved
+every 10 x capacity counts); misses fill free slots first; once full, a miss is admitted only where its estimated
+frequency beats that of a victim drawn from a sweeping sample of slots (sampled LFU), never a slot the current
+batch hit.
 
 Everything is vectorized per batch: the index is an open-addressing hash table of numpy arrays (linear probing,
 a few vectorized probe rounds per batch), the sketch and the eviction sample are numpy too. Row bytes live in one
@@ -95,8 +94,8 @@ class HashIndex:
 
     def _get_few(self, k: np.ndarray) -> np.ndarray:
         """get for a decode step's few keys: the same probe sequence as find, one key at a time in Python. Between
-        a transformers decode step's matmuls every numpy call runs on cold caches: find's ~15 calls for one key cost
-        156 us there against 21 us in a loop (development VM), this path a few scalar reads."""
+        a transformers decode step's matmuls every numpy call runs on cold caches, so find's ~15 numpy calls for one
+        key cost several times these few scalar reads (docs/decisions.md, "Decode steps")."""
         keys, vals, mask, shift = self.keys, self.vals, self._mask, int(self._shift)
         out = []
         for key in k.tolist():
@@ -372,8 +371,8 @@ class RowCache:
     def prefault(self, k: int) -> None:
         """Fault in the pages of the next k free slots (where the next admissions land) without changing their
         bytes (MADV_POPULATE_WRITE, Linux 5.14+; nothing where the kernel lacks it). Called while a read is in
-        flight: a first touch of fresh anonymous memory costs ~0.2 ms per MiB on the development VM (admitting 300
-        gemma4-e4b rows: 0.9 ms into fresh pages, 0.45 ms into touched ones), which then overlaps the device."""
+        flight: the first touch of fresh anonymous memory (about half of an admission's cost; docs/decisions.md)
+        then overlaps the device."""
         with self.lock:                     # (close() unmaps under it)
             if self._map is None or not _POPULATE_OK[0]:
                 return
@@ -506,7 +505,7 @@ def drop_all() -> None:
 
 def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
     """read_through for sorted unique row ids without a plan where the row cache holds every row (a decode step's
-    one or few tokens: planning one row costs ~70 us on the development VM, the whole hit path ~30 us); otherwise
+    one or few tokens: planning one row costs more than the whole hit path; docs/decisions.md); otherwise
     the rows are planned and read through, with this lookup's result (nothing is counted twice)."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
     looked = None
@@ -532,12 +531,12 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
     """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
     to the cache. Counts into table._io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
     already made (read_unique's), instead of a second one. admit_page_cache: offer rows the reader copied from the
-    page cache too (read_unique: for a step of a few rows the per-call cost of the page-cache path, ~0.3 ms, is
-    what a hit saves, not the I/O).
+    page cache too (read_unique: for a step of a few rows the per-call cost of the page-cache path, not the I/O, is
+    what a hit saves).
 
     The hits are copied out while the misses' reads are in flight (the reader's during_io), not before the
-    reads are submitted: on the gemma4-e4b trace that copy (about 2/3 of a batch's unique rows) was 0.46 ms of a
-    cold batch's 4 ms. A large read hands its first rows over while the rest is read (reader.read(on_rows=...),
+    reads are submitted (on the gemma4-e4b trace about 2/3 of a batch's unique rows are hits; docs/decisions.md). A
+    large read hands its first rows over while the rest is read (reader.read(on_rows=...),
     readers.SPLIT_MIN): they are copied into out and admitted then. The cache lock is not held meanwhile, so
     another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
     still holds its row, and rows evicted since are read with the misses' reader afterwards (never seen in the
