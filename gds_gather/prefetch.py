@@ -62,13 +62,16 @@ class Prefetcher:
             return 0
         with cache.lock:
             missing = rows[cache.cached(rows) < 0]
+        self.open()
+        res = self.readers[0].resident(missing, self.table.row_bytes) if missing.shape[0] else None
+        if res is not None:         # the page cache's rows: the read copies them (no I/O to overlap)
+            missing = missing[~res]
         with self.lock:
             for r in [r for r, _ in self.jobs] + [r for r, _ in self.done]:
                 if missing.shape[0] and r.shape[0]:
                     missing = missing[~np.isin(missing, r, assume_unique=True)]
             if not missing.shape[0] or sum(not f.done() for _, f in self.jobs) >= DEPTH:
                 return 0
-            self.open()
             reader = self.readers[self.turn % DEPTH]
             self.turn += 1
             self.jobs.append((missing, self.pool.submit(self._read, reader, missing)))

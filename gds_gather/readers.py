@@ -99,6 +99,10 @@ class Reader:
         self.rows_from_page_cache = 0   # direct: rows copied from pages the page cache held (see pagecache.py)
         self.rows_from_device = 0       # direct: rows read O_DIRECT
 
+    def resident(self, rows: np.ndarray, row_bytes: int):
+        """Rows the page cache holds as far as this reader knows (bool [k]); None: it does not tell."""
+        return None
+
     def check_file(self) -> None:
         """Raise ReadError if the file was truncated, rewritten or replaced since the table was opened."""
         try:
@@ -440,9 +444,14 @@ class _FdReader(Reader):
 
     def _resident(self, plan: ReadPlan):
         """Rows the page cache holds (bool [U]), or None (page-cache reads off, or nothing resident)."""
+        return self.resident(plan.unique_rows, plan.row_bytes)
+
+    def resident(self, rows: np.ndarray, row_bytes: int):
+        """Which of these sorted rows the page cache holds, as this reader knows it (bool [k]), or None (no
+        page-cache reads, or nothing resident): a prefetch leaves those to the read (a copy, not I/O)."""
         if self._pc is None:
             return None
-        return self._pc.rows_resident(plan.unique_rows, plan.row_bytes)
+        return self._pc.rows_resident(rows, row_bytes)
 
     def _fetch_mixed(self, plan: ReadPlan, res: np.ndarray):
         """Windows whose rows are all resident are copied from the page cache (after the O_DIRECT windows in
