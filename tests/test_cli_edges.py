@@ -45,3 +45,23 @@ def test_main_from_a_worker_thread(tmp_path, capsys):
     assert signal.getsignal(signal.SIGTERM) is before
     assert main(["info", str(tmp_path / "m.gguf"), "--json"]) == 0
     assert '"n_rows": 64' in capsys.readouterr().out
+
+
+def test_info_names_the_shard_holding_the_table(tmp_path, capsys):
+    """A sharded checkpoint (index + two shards, built here): info prints the model directory, then the shard the
+    table is in, and the table's geometry from that shard's header."""
+    import json
+
+    import numpy as np
+    st = pytest.importorskip("safetensors.numpy")
+    w = np.arange(10 * 8, dtype=np.float32).reshape(10, 8)
+    st.save_file({"model.norm.weight": np.ones(4, np.float32)}, tmp_path / "model-00001-of-00002.safetensors")
+    st.save_file({"model.embed_tokens_per_layer.weight": w}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": "model-00001-of-00002.safetensors",
+        "model.embed_tokens_per_layer.weight": "model-00002-of-00002.safetensors"}}))
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == str(tmp_path)
+    assert out[1] == f"  shard          {tmp_path / 'model-00002-of-00002.safetensors'}"
+    assert "[8, 10] (ggml order)" in out[3] and "10 rows x 8 elements = 32 B/row" in out[4]
