@@ -27,19 +27,19 @@ def fit(text: str, indent: str = "    ") -> str:
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB' (powers of 1024; whole bytes below 1 KiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} TiB"
 
 
-def drop_caches() -> bool:
+def drop_caches(control="/proc/sys/vm/drop_caches") -> bool:
     """Empty the WHOLE machine's page cache (echo 3 > /proc/sys/vm/drop_caches; root only); False when refused.
     Only ever called when a user asks for it (--drop-caches). Mapped pages of live mappings stay."""
     try:
         os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
+        with open(control, "w") as f:
             f.write("3\n")
         return True
     except OSError:
@@ -92,11 +92,11 @@ def counter_name(method: str | None, missing: str = "n/a") -> str:
     return (method or missing).split(": ")[0]
 
 
-def proc_read_bytes() -> int | None:
+def proc_read_bytes(io="/proc/self/io") -> int | None:
     """read_bytes of /proc/self/io (every thread of this process, exited ones included), or None where the
     kernel has no task I/O accounting."""
     try:
-        with open("/proc/self/io") as f:
+        with open(io) as f:
             for line in f:
                 if line.startswith("read_bytes:"):
                     return int(line.split()[1])
@@ -178,13 +178,13 @@ def fio_randread(path, *, bs="4k", direct=True, engine="io_uring", iodepth=64, n
             "version": json.loads(r.stdout).get("fio version", "")}
 
 
-def machine_facts(path=None) -> dict:
+def machine_facts(path=None, cpuinfo="/proc/cpuinfo") -> dict:
     """The header every benchmark prints: CPU, cores, memory, kernel, Python, storage under `path`, GPU."""
     from .platform import detect
     from .storage import filesystem, logical_block_size
     cpu = "?"
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
     except OSError:
         pass

@@ -84,13 +84,14 @@ def go_cold(path, drop: bool = False, span: tuple[int, int] | None = None) -> st
     return how
 
 
-def block_device(path) -> str:
-    """The block device under `path`, e.g. 'nvme0n1 (nvme, SAMSUNG MZQL23T8HCLS)' or 'vda (virtio)'."""
+def block_device(path, sysfs="/sys") -> str:
+    """The block device under `path`, e.g. 'nvme0n1 (nvme, SAMSUNG MZQL23T8HCLS)' or 'vda (virtio)' (sysfs: where
+    sysfs is mounted)."""
     try:
         dev = os.stat(path).st_dev
     except OSError:
         return "?"
-    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    base = Path(sysfs) / f"dev/block/{os.major(dev)}:{os.minor(dev)}"
     if not base.exists():
         return f"no block device (device {os.major(dev)}:{os.minor(dev)}: tmpfs, overlay or network)"
     real = base.resolve()
@@ -163,12 +164,7 @@ def bench_facts(path, cfg: Config) -> dict:
 
 
 def apply_cache_option(cfg: Config, cache) -> tuple[Config, str]:
-    """--cache BYTES -> Config(cache_bytes=...) where this build has a row cache; returns the header's words."""
-    from dataclasses import fields
-    has = any(f.name == "cache_bytes" for f in fields(Config))
-    if not has:
-        return cfg, ("row cache: none in this build (Config has no cache_bytes)" +
-                     ("; --cache ignored" if cache is not None else ""))
+    """--cache BYTES -> Config(cache_bytes=...); returns the header's words."""
     if cache is not None:
         cfg = cfg.with_(cache_bytes=parse_size(cache))
     size = (f"{cfg.cache_bytes:,} B" if cfg.cache_bytes >= 0 else

@@ -46,7 +46,7 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
                                                 "(default 1; --quick 0.25)")
 
 
-class _StorageWorker:
+class StorageWorker:
     """One thread's reads of `io` bytes at a time: O_DIRECT through its own io_uring (cpu, cpu-gpu) or KvikIO
     CuFile.pread into device memory (gpu-direct). Set up outside the timing; run() is the timed part."""
 
@@ -227,7 +227,7 @@ def storage_run(path: Path, xfer: str, io: int, *, threads: int = 1, qd: int = 1
     workers = []
     try:
         for i in range(nthreads):
-            workers.append(_StorageWorker(path, xfer, io, qd, pattern, i, nthreads, seed, threads))
+            workers.append(StorageWorker(path, xfer, io, qd, pattern, i, nthreads, seed, threads))
         barrier = threading.Barrier(nthreads)
         io_count = measure.ReadCounter(path)
         ths = [threading.Thread(target=w.run, args=(seconds, nbytes and -(-nbytes // nthreads), barrier),

@@ -145,12 +145,14 @@ def run_subprocess(model_dir, plugin: bool, python: str = sys.executable, timeou
     return res
 
 
-def ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, **kw) -> dict:
-    """`run` without and with the plugin, interleaved (off, on, off, on, ...): medians and ratios."""
+def ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, runner=None, **kw) -> dict:
+    """`run` without and with the plugin, interleaved (off, on, off, on, ...): medians and ratios. runner: what
+    runs one engine (default run_subprocess, same arguments)."""
+    runner = runner or run_subprocess
     runs = {False: [], True: []}
     for i in range(repeat):
         for plugin in (False, True):
-            r = run_subprocess(model_dir, plugin, python, **kw)
+            r = runner(model_dir, plugin, python, **kw)
             runs[plugin].append(r)
             if log:
                 log(f"run {i + 1} plugin {'on ' if plugin else 'off'}: prefill {r['prefill_tok_per_s']:,.0f} tok/s, "
