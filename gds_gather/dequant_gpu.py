@@ -290,6 +290,13 @@ def _out_shape(inv_shape: tuple, n: int, row_elems: int, seg: int, layout: str) 
     return (row_elems // seg, n, seg)
 
 
+def output_shape(inv_shape: tuple, qtype, row_elems: int, layout: str = "flat", n_layer=None) -> tuple:
+    """The shape gather_rows gives for ids of `inv_shape` (flat: inv_shape + (row_elems,); per_layer:
+    (n_layer, N, row_elems // n_layer))."""
+    _, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    return _out_shape(tuple(inv_shape), math.prod(inv_shape), int(row_elems), seg, layout)
+
+
 def launch_config(n_rows: int, row_elems: int, n_sm: int) -> tuple[int, int]:
     """(grid size, rows per CTA) of one gather.
 

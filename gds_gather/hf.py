@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .measure import fit
-from .backends import choose_device, resolve
+from .backends import resolve
 from .config import Config
 from .errors import BadIdsError, ModelMismatchError, TableClosedError
 from . import quants
@@ -153,7 +153,7 @@ class DiskEmbedding(torch.nn.Module):
         stream straight into the weight dtype."""
         t = self.table
         if self.device_backend is None:
-            self.device_backend = choose_device(t, self.backend, t.config)   # what Table.fetch_device will use
+            self.device_backend = t.device_choice(self.backend)   # what Table.fetch_device will use
         self.row_ids += ids_np.size
         self.rows_read += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):

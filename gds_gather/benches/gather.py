@@ -110,7 +110,7 @@ def _bs_name(bs: int) -> str:
 
 
 def _bytes_read(t) -> int:
-    return sum(getattr(r, "bytes_read", 0) for r in [*t._readers.values(), *t._sinks.values()])
+    return sum(r.bytes_read for r in t.readers())
 
 
 def _fetch(t, b: str, plan, stream) -> None:
@@ -363,7 +363,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         trace, desc = _trace(t, a)
         data = t.path                       # the file holding the table (a shard of a split model)
         geo = dict(n_rows=t.n_rows, row_bytes=t.row_bytes, qtype=t.qtype.name, align=t.align, arch=t.arch,
-                   table_bytes=t.n_bytes, window=t._typical_window())
+                   table_bytes=t.n_bytes, window=t.typical_window)
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
