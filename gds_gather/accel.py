@@ -69,7 +69,7 @@ class Accel:
     def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream): raise NotImplementedError
     def take_rows(self, staging, offsets, inverse, row_bytes, shape, stream): raise NotImplementedError
     def defer(self, stream, fn): raise NotImplementedError     # fn in stream order (CUDA: now, on that stream)
-    def to_host(self, ids) -> np.ndarray: raise NotImplementedError   # device ids copied down (a synchronization)
+    def to_host(self, ids, stream) -> np.ndarray: raise NotImplementedError  # copied down on stream, host waits
     def ids_like(self, host: np.ndarray, like, stream): raise NotImplementedError  # host ints up, of `like`'s kind
     def warmup(self, qtypes, dtype) -> None: pass
 
@@ -186,8 +186,8 @@ class CudaAccel(Accel):
     def defer(self, stream, fn):
         return fn()
 
-    def to_host(self, ids):
-        return self._cp().asnumpy(arrays.to_cupy(ids))
+    def to_host(self, ids, stream):
+        return self._cp().asnumpy(arrays.to_cupy(ids), stream=arrays.cupy_stream(stream))   # (blocking)
 
     def ids_like(self, host, like, stream):
         with arrays.cupy_stream(stream):
@@ -543,8 +543,8 @@ class HostAccel(Accel):
     def defer(self, stream, fn):
         self.current(stream).enqueue(fn)
 
-    def to_host(self, ids):
-        self.syncs += 1         # a device-to-host copy of the ids: the host waits for the device
+    def to_host(self, ids, stream):
+        self.current(stream).synchronize()       # a blocking copy down on `stream`: its earlier work has run
         return np.array(_np(ids))
 
     def ids_like(self, host, like, stream):

@@ -133,10 +133,12 @@ class DeviceSink:
         """The device cache's index (rowcache.RowCache), or None."""
         return self.dc.index if self.dc is not None else None
 
-    def fetch(self, plan: ReadPlan, stream=None):
+    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
+        """wait=False: the caller has waited for the stream (Table's copy of the ids down on it)."""
         a = self.accel
         s = a.current(stream)
-        a.synchronize(s)    # the previous batch's consumers on this stream are done with staging
+        if wait:
+            a.synchronize(s)    # the previous batch's consumers on this stream are done with staging
         self.last.used(stream, s)
         if self.dc is not None:
             return self._fetch_cached(plan, s)
@@ -289,13 +291,15 @@ class GdsReader:
         self.bytes_read += plan.window_bytes
         return dev
 
-    def fetch(self, plan: ReadPlan, stream=None):
+    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
         """(device staging, device offset of each unique row): the plan realigned to GDS_ALIGN and read, once the
-        stream's queued work is done with the staging (cuFile is not stream-ordered)."""
+        stream's queued work is done with the staging (cuFile is not stream-ordered; wait=False: the caller has
+        waited)."""
         a = self.accel
         plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
         s = a.current(stream)
-        a.synchronize(s)
+        if wait:
+            a.synchronize(s)
         self.last.used(stream, s)
         dev = self.read_windows(plan)
         d_offs = self.offsets.int64(plan.n_unique)

@@ -158,7 +158,7 @@ class DiskEmbedding(torch.nn.Module):
         self.rows_read += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):
             return t.gather(input_ids, self.backend, dtype=self.weight_dtype,
-                            stream=torch.cuda.current_stream(input_ids.device))
+                            stream=torch.cuda.current_stream(input_ids.device), host_ids=ids_np)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.rows(input_ids) * self.embed_scale.to(self.weight_dtype)

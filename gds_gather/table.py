@@ -188,6 +188,11 @@ class Table:
         The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
         place; they are valid until the next fetch on this table, which first waits for `stream`.
         """
+        sink = self._device_sink(backend, stream)
+        return sink.fetch(plan, stream)
+
+    def _device_sink(self, backend: str, stream):
+        """The sink of `backend`'s device choice, once any other stream that read its staging is done."""
         name, mode, why = self.device_choice(backend)
         key = f"{name}@{mode}"
         if key not in self._sinks:
@@ -197,7 +202,7 @@ class Table:
         if self._last_stream is not _NO_GPU and self._last_stream != handle:
             a.synchronize(a.current(self._last_stream))   # another stream may still read the staging
         self._last_stream = handle
-        return self._sink(name, mode).fetch(plan, stream)
+        return self._sink(name, mode)
 
     def device_choice(self, backend: str = "auto") -> tuple[str, str, str]:
         """(backend, destination mode, why) of rows that must end in GPU memory, asked once per backend (the one
@@ -239,13 +244,17 @@ class Table:
             self._gds_verdict = (tg < td, f"512 rows: gds {tg * 1e3:.2f} ms, direct {td * 1e3:.2f} ms")
         return self._gds_verdict
 
-    def _fetch_ids_device(self, ids, backend: str, stream):
-        """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
+    def _fetch_ids_device(self, ids, backend: str, stream, host_ids=None):
+        """(plan, device staging, device row offsets) for device ids, planned on the host. The ids are copied
+        down on `stream` and the host waits for that copy, so every earlier consumer of the staging on `stream` is
+        done: the sink need not wait again (one synchronization per gather). host_ids: the caller's copy of the
+        ids' values, made on `stream` after its earlier work (then the gather makes no synchronization here)."""
         if arrays.kind(ids) == "host-device" and self.accel.name != "host":
             raise BackendError("HostAccel ids on a table whose Config.accel is not 'host'")
-        _, mode, _ = self.device_choice(backend)
-        plan = self.plan(self.accel.to_host(ids), align=self.gds_align if mode == "gds" else None)
-        return (plan, *self.fetch_device(plan, backend, stream))
+        sink = self._device_sink(backend, stream)
+        host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
+        plan = self.plan(host, align=self.gds_align if self.device_choice(backend)[1] == "gds" else None)
+        return (plan, *sink.fetch(plan, stream, wait=False))
 
     @property
     def typical_window(self) -> int:
@@ -305,17 +314,19 @@ class Table:
         plan = self.plan(ids)
         return self.read_plan(plan, backend)[plan.inverse].reshape(plan.shape + (self.row_bytes,))
 
-    def gather(self, ids, backend: str = "auto", dtype=np.float32, *, stream=None):
+    def gather(self, ids, backend: str = "auto", dtype=np.float32, *, stream=None, host_ids=None):
         """Dequantized rows: shape ids.shape + (row_elems,), exactly gguf.quants.dequantize(table)[ids].
 
         ids: integer numpy array (or torch CPU tensor) of any shape; the result is of the same kind.
         GPU flavour: cupy or torch CUDA ids give a result of the same kind on the same device, dequantized by the
         CUDA kernel launched on `stream` (bfloat16 comes back as uint16 bits for cupy, which has no bfloat16).
+        host_ids (GPU flavour): the ids' values already copied to the host on `stream` (the plan is made from
+        them, without a second copy down and its synchronization).
         """
         kind = arrays.kind(ids)
         name = arrays.dtype_name(dtype)
         if arrays.is_device(ids):
-            return self._gather_device(ids, backend, name, stream)
+            return self._gather_device(ids, backend, name, stream, host_ids)
         if kind == "torch":
             out = self._gather_host(ids.numpy(), backend)
             import torch
@@ -324,11 +335,11 @@ class Table:
         return _cast_numpy(self._gather_host(ids, backend), name)
 
     @_locked                # the kernel is queued before another thread's fetch can overwrite the staging
-    def _gather_device(self, ids, backend: str, dtype: str, stream):
+    def _gather_device(self, ids, backend: str, dtype: str, stream, host_ids=None):
         """GPU flavour: rows read into GPU memory (see fetch_device), dequantized and scattered by the CUDA kernel
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
         stream = arrays.launch_stream(stream, ids)      # one stream for the copies and the kernel
-        plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
+        plan, staging, offs = self._fetch_ids_device(ids, backend, stream, host_ids)
         inv = self.accel.ids_like(plan.inverse.reshape(plan.shape), ids, stream)
         return self.accel.gather(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
 

@@ -129,8 +129,13 @@ class FakeCuda:
         self.module.__dict__.update(
             cuda=self.cuda, uint8=np.uint8, int64=np.int64, int32=np.int32, ndarray=DevArray,
             empty=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
-            asarray=self._asarray, asnumpy=lambda a: np.asarray(a.a if isinstance(a, DevArray) else a),
+            asarray=self._asarray, asnumpy=self._asnumpy,
             from_dlpack=lambda x: DevArray(x.a, fake), arange=lambda *a: DevArray(np.arange(*a), fake))
+
+    def _asnumpy(self, a, stream=None):
+        """cupy.asnumpy: a blocking copy down on `stream` (the current one without)."""
+        self.log.append(("sync", (stream or self.current[-1]).ptr))
+        return np.asarray(a.a if isinstance(a, DevArray) else a)
 
     def _asarray(self, a):
         if isinstance(a, DevArray):

@@ -303,3 +303,31 @@ def test_host_accel_ids_need_a_host_accel_table(table_file):
     with gg.open_table(table_file, config=gg.Config(platform="discrete", cache_bytes=0)) as t:
         with pytest.raises(gg.errors.BackendError, match="HostAccel"):
             t.gather(_ids(8).view(HostArray))
+
+
+@pytest.mark.parametrize("dest", ["copy", "copy+cache", "zero-copy", "gds"])
+def test_one_synchronization_per_device_gather(table_file, dest):
+    """Issue 18: device ids cost one host-device synchronization per gather: the ids' copy down on the gather's
+    stream (after which the staging's earlier readers on that stream are done, so the sink does not wait again);
+    none when the caller passes the host copy it made on that stream (hf's module). Results are exact although
+    nothing else synchronizes between the gathers (HostAccel's deferred stream would show a reused staging)."""
+    platform, backend, budget = DESTS[dest]
+    with gg.open_table(table_file, config=_cfg(platform, budget)) as t:
+        acc, s = t.accel, t.accel.stream()
+        want = [t.gather(_ids(40, seed)) for seed in range(8)]        # (host gathers wait for the device stream)
+        t.gather(_ids(8).view(HostArray), backend, stream=s)        # the sink opened
+        acc.synchronize(s)
+        outs = []
+        syncs = acc.syncs
+        for seed in range(4):
+            outs.append(t.gather(_ids(40, seed).view(HostArray), backend, stream=s))
+        assert acc.syncs - syncs == 4
+        for seed in range(4, 8):          # the caller's own copy down (hf: input_ids.cpu()), made on s
+            ids = _ids(40, seed).view(HostArray)
+            host = acc.to_host(ids, s)
+            syncs = acc.syncs
+            outs.append(t.gather(ids, backend, stream=s, host_ids=host))
+            assert acc.syncs == syncs
+        acc.synchronize(s)
+        for got, w in zip(outs, want):
+            np.testing.assert_array_equal(np.asarray(got), w)
