@@ -58,15 +58,17 @@ class Accel:
     def pin(self, staging, mapped: bool) -> None: raise NotImplementedError
     def device_view(self, host: np.ndarray): raise NotImplementedError
     def ptr(self, a) -> int: raise NotImplementedError
-    def dev_id(self) -> int: return 0
+    def dev_id(self) -> int: return 0                    # the current device (cupy's: Table's device path)
+    def prefill_device(self) -> int: return 0            # the current device of torch (the prefill's)
 
     # queued work
     def h2d(self, dst, src: np.ndarray, nbytes: int, stream, dst_offset: int = 0): raise NotImplementedError
     def upload(self, dst, src: np.ndarray, stream): raise NotImplementedError
     def copy(self, dst, src, stream): raise NotImplementedError   # torch tensors, queued (non_blocking)
     def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, **kw): raise NotImplementedError
-    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream): raise NotImplementedError
-    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream): raise NotImplementedError
+    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream, device_id=0): raise NotImplementedError
+    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream, device_id=0):
+        raise NotImplementedError
     def take_rows(self, staging, offsets, inverse, row_bytes, shape, stream): raise NotImplementedError
     def defer(self, stream, fn): raise NotImplementedError     # fn in stream order (CUDA: now, on that stream)
     def to_host(self, ids, stream) -> np.ndarray: raise NotImplementedError  # copied down on stream, host waits
@@ -153,6 +155,10 @@ class CudaAccel(Accel):
     def dev_id(self):
         return int(self._cp().cuda.Device().id)
 
+    def prefill_device(self):
+        import torch
+        return int(torch.cuda.current_device())
+
     def h2d(self, dst, src, nbytes, stream, dst_offset=0):
         cp = self._cp()
         cp.cuda.runtime.memcpyAsync(dst.data.ptr + dst_offset, src.ctypes.data, nbytes,
@@ -168,14 +174,14 @@ class CudaAccel(Accel):
         from . import dequant_gpu
         return dequant_gpu.gather_rows(staging, offsets, inverse, qtype, row_elems, dtype=dtype, stream=stream, **kw)
 
-    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream):
+    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream, device_id=0):
         from . import devcache
-        devcache.copy_words(src_ptr, dst_ptr, ctl_ptr, max_words, arrays.stream_ptr(stream), self.dev_id())
+        devcache.copy_words(src_ptr, dst_ptr, ctl_ptr, max_words, arrays.stream_ptr(stream), device_id)
 
-    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream):
+    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream, device_id=0):
         from . import devcache
         devcache.copy_rows(pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, arrays.stream_ptr(stream),
-                           self.dev_id())
+                           device_id)
 
     def take_rows(self, staging, offsets, inverse, row_bytes, shape, stream):
         cp = self._cp()
@@ -208,13 +214,13 @@ class CudaAccel(Accel):
         return arrays.stream_ptr(stream)    # by handle: torch makes a new wrapper per current_stream() call
 
     def using(self, stream):
-        if hasattr(stream, "__enter__"):        # a cupy stream is its own context
+        if isinstance(stream, self._cp().cuda.Stream):      # a cupy stream is its own context
             return stream
         import torch
         return torch.cuda.stream(stream)
 
     def synchronize(self, stream):
-        (stream if hasattr(stream, "synchronize") else arrays.cupy_stream(stream)).synchronize()
+        (arrays.cupy_stream(stream) if stream is None or isinstance(stream, int) else stream).synchronize()
 
     def query(self, stream):
         return stream.query()
@@ -494,7 +500,7 @@ class HostAccel(Accel):
         name = arrays.dtype_name(dtype)
         shape = dequant_gpu.output_shape(tuple(inverse.shape), qtype, row_elems, kw.get("layout", "flat"),
                                          kw.get("n_layer"))
-        torch_ids = hasattr(inverse, "numpy")
+        torch_ids = arrays.kind(inverse) == "torch"
         if out is None:
             out = (self.torch.empty(shape, dtype=getattr(self.torch, name)) if torch_ids else
                    _dev(np.empty(shape, np.uint16 if name == "bfloat16" else name)))
@@ -507,7 +513,7 @@ class HostAccel(Accel):
         self.current(stream).enqueue(kernel)
         return out
 
-    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream):
+    def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream, device_id=0):
         def kernel():      # kernels/copy.cu's gg_copy_words: ctl[0] 8-byte words src -> dst
             w = ctypes.c_int64.from_address(ctl_ptr).value
             if not 0 <= w <= max_words:
@@ -515,7 +521,7 @@ class HostAccel(Accel):
             ctypes.memmove(dst_ptr, src_ptr, 8 * w)
         self.current(stream).enqueue(kernel)
 
-    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream):
+    def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream, device_id=0):
         def kernel():      # gg_copy_rows: ctl[1] rows of the pool, src[r] -> dst[r] (every source read first)
             k = ctypes.c_int64.from_address(ctl_ptr + 8).value
             if not 0 <= k <= max_rows:

@@ -86,8 +86,8 @@ class Resident(_Offsets):
 
     def __init__(self, p):
         super().__init__(p)
-        t = self.t
-        self.table_d = self.accel.to_device(np.fromfile(t.path, np.uint8, t.n_bytes, offset=t.data_offset))
+        r = self.t.region
+        self.table_d = self.accel.to_device(np.fromfile(r.path, np.uint8, r.n_bytes, offset=r.data_offset))
         self.views = [self.table_d, self.table_d]
 
     def stage(self, plan, s):
@@ -196,7 +196,7 @@ class _Cached(_Offsets):
         a = self.accel
         adm = a.ptr(self.adm_d)
         a.copy_rows(a.ptr(self.pool_view), adm, adm + 8 * self.p.N, a.ptr(self.ctl_d), self.t.row_bytes, self.p.N,
-                    self.p.stream)
+                    self.p.stream, self.dc.device_id)
 
     def scrub(self, s):
         super().scrub(s)
@@ -234,7 +234,7 @@ class CachedCopy(_Cached):
     def fresh_up(self, s):
         a = self.accel
         a.copy_words(self.fresh[s][1], a.ptr(self.pool_view) + self.dc.fresh_base, a.ptr(self.ctl_d),
-                     self.fresh_words_max, self.p.stream)
+                     self.fresh_words_max, self.p.stream, self.dc.device_id)
 
 
 class CachedGds(_Cached):

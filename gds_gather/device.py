@@ -180,7 +180,7 @@ class DeviceSink:
                     pairs = self.pairs.int64(2 * k + 2)
                     a.upload(pairs, np.concatenate([got.adm_src, got.adm_dst, [0, k]]).astype(np.int64), s)
                     p = a.ptr(pairs)
-                    a.copy_rows(a.ptr(pool), p, p + 8 * k, p + 16 * k, rb, k, s)
+                    a.copy_rows(a.ptr(pool), p, p + 8 * k, p + 16 * k, rb, k, s, dc.device_id)
                 d_offs = self.offsets.int64(U)
                 a.upload(d_offs, got.offsets, s)
         except BaseException:

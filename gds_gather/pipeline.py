@@ -131,7 +131,7 @@ class GpuPrefill:
         self.backend, self.mode = name, mode
         # device-resident row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the
         # host cache in place
-        dc = (devcache.acquire(table, self.accel.dev_id(), self.accel)
+        dc = (devcache.acquire(table, self.accel.prefill_device(), self.accel)
               if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
         self.dest, self.closed, self.stream = None, False, None
         try:
@@ -185,11 +185,10 @@ class GpuPrefill:
 
     def new_reader(self):
         """A reader of the table for one staging slot: cuFile for gds, else the host backend."""
-        t = self.t
         if self.mode == "gds":
             from .device import GdsReader
-            return GdsReader(t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id, accel=self.accel)
-        return HOST_READERS[self.backend](t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
+            return self.t.region.open(GdsReader, self.cfg, accel=self.accel)
+        return self.t.region.open(HOST_READERS[self.backend], self.cfg)
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):

@@ -15,6 +15,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -104,6 +105,20 @@ class RowReader(Protocol):
     def check_file(self) -> None: ...
     def read(self, plan: ReadPlan) -> np.ndarray: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a table's rows lie: the file, its identity when the table was opened (device, inode, size, mtime),
+    and the byte range of the rows. Every reader of a table is opened from it."""
+    path: Path
+    data_offset: int
+    n_bytes: int
+    file_id: tuple
+
+    def open(self, reader_class, config: Config, **kw):
+        """A reader of this region (a HOST_READERS class, device.GdsReader, ...)."""
+        return reader_class(self.path, self.data_offset, self.n_bytes, config=config, file_id=self.file_id, **kw)
 
 
 def check_file(path: Path, file_id: tuple) -> None:

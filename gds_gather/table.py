@@ -18,7 +18,7 @@ from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, T
                      UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows
-from .readers import GDS_ALIGN, HOST_READERS, Reader, default_align
+from .readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
 from .storage import filesystem
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class Table:
                 f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.region = Region(self.path, self.data_offset, self.n_bytes, self.file_id)   # what every reader reads
         self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
@@ -165,8 +166,7 @@ class Table:
             if name not in HOST_READERS:
                 raise BackendError(f"backend {name!r} has no host reader in this version")
             log.info("%s: backend %s (%s)", self.path.name, name, why)
-            r = self._readers[name] = HOST_READERS[name](self.path, self.data_offset, self.n_bytes,
-                                                          config=self.config, file_id=self.file_id)
+            r = self._readers[name] = self.region.open(HOST_READERS[name], self.config)
             log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
 
@@ -217,8 +217,7 @@ class Table:
             from .device import DeviceSink, GdsReader
             a = self.accel
             if mode == "gds":
-                self._sinks[key] = GdsReader(self.path, self.data_offset, self.n_bytes, config=self.config,
-                                             file_id=self.file_id, accel=a)
+                self._sinks[key] = self.region.open(GdsReader, self.config, accel=a)
             else:
                 dc = (devcache.acquire(self, a.dev_id(), a)
                       if mode == "copy" and name in rowcache.CACHED_BACKENDS else None)
