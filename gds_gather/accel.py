@@ -495,21 +495,21 @@ class HostAccel(Accel):
             dst.copy_(src)
         self.current(stream).enqueue(copy)
 
-    def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, out=None, **kw):
-        from . import dequant_gpu
-        name = arrays.dtype_name(dtype)
-        shape = dequant_gpu.output_shape(tuple(inverse.shape), qtype, row_elems, kw.get("layout", "flat"),
-                                         kw.get("n_layer"))
-        torch_ids = arrays.kind(inverse) == "torch"
+    def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, out=None, scale=None,
+               layout="flat", n_layer=None):
+        from . import dequant_gpu as dq
+        g = dq.check_launch(staging, offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer,
+                            host=True)
         if out is None:
-            out = (self.torch.empty(shape, dtype=getattr(self.torch, name)) if torch_ids else
-                   _dev(np.empty(shape, np.uint16 if name == "bfloat16" else name)))
+            out = (self.torch.empty(g.shape, dtype=getattr(self.torch, g.name)) if g.kind == "torch" else
+                   _dev(np.empty(g.shape, np.uint16 if g.name == "bfloat16" else g.name)))
+        dq.check_out(out, g, host=True)
         o = _np(out)
+        kw = dict(dtype=g.name, scale=scale, layout=layout, n_layer=n_layer)
 
         def kernel():
-            run = dequant_gpu.host_gather if dequant_gpu.host_compiler_available() else dequant_gpu.reference_gather
-            got = run(_np(staging), _np(offsets), _np(inverse), qtype, row_elems, dtype=name, **kw)
-            o[...] = got.view(o.dtype)
+            run = dq.host_gather if dq.host_compiler_available() else dq.reference_gather
+            o[...] = run(_np(staging), _np(offsets), _np(inverse), qtype, row_elems, **kw).view(o.dtype)
         self.current(stream).enqueue(kernel)
         return out
 
