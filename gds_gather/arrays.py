@@ -10,7 +10,7 @@ def kind(x) -> str:
     mod = type(x).__module__.split(".")[0]
     if mod == "cupy":
         return "cupy"
-    if mod == "gds_gather":
+    if mod == "gds_gather" and type(x).__name__ == "HostArray":
         return "host-device"
     if mod == "torch":
         return "torch-cuda" if x.device.type != "cpu" else "torch"
