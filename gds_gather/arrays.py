@@ -5,17 +5,20 @@ from .errors import BadDtypeError
 
 
 def kind(x) -> str:
-    """'numpy', 'torch' (CPU tensor), 'torch-cuda', or 'cupy', without importing torch or cupy."""
+    """'numpy', 'torch' (CPU tensor), 'torch-cuda', 'cupy', or 'host-device' (accel.HostAccel's device memory),
+    without importing torch or cupy."""
     mod = type(x).__module__.split(".")[0]
     if mod == "cupy":
         return "cupy"
+    if mod == "gds_gather" and type(x).__name__ == "HostArray":
+        return "host-device"
     if mod == "torch":
         return "torch-cuda" if x.device.type != "cpu" else "torch"
     return "numpy"
 
 
 def is_device(x) -> bool:
-    return kind(x) in ("cupy", "torch-cuda")
+    return kind(x) in ("cupy", "torch-cuda", "host-device")
 
 
 def to_cupy(x):

@@ -97,26 +97,29 @@ def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
     return name, forced
 
 
-def choose_device(table, backend: str = "auto", config: Config | None = None) -> tuple[str, str, str]:
+def choose_device(table, backend: str = "auto", config: Config | None = None, state=None) -> tuple[str, str, str]:
     """The one "gds or direct" decision for rows of `table` that must end in GPU memory: (backend, mode, why).
 
     Table.fetch_device, GpuPrefill and the benches all call this, so each reports the same choice and reason.
     Where real GPU-direct storage exists, auto times gds against direct + pinned copy on 512 rows of this table
-    (once per table: Table._gds_faster) and picks the faster; elsewhere the platform decides (resolve_device).
+    (once per table: Table.gds_faster) and picks the faster; elsewhere the platform decides (resolve_device).
+    state: () -> gds_state()'s answer for the table's accelerator (default: KvikIO's).
     """
     cfg = config or table.config
-    return resolve_device(backend, cfg, window_bytes=table._typical_window(),
-                          gds_faster=getattr(table, "_gds_faster", None))
+    return resolve_device(backend, cfg, window_bytes=table.typical_window, gds_faster=table.gds_faster,
+                          state=state)
 
 
 def resolve_device(backend: str, config: Config | None = None, window_bytes: int = 4096,
-                   gds_faster=None) -> tuple[str, str, str]:
+                   gds_faster=None, state=None) -> tuple[str, str, str]:
     """(backend, destination mode, why) for rows that must end in GPU memory.
 
     mode: "copy" (pinned staging + one H2D copy), "zero-copy" (GPU-mapped host staging), or "gds".
     gds_faster: a callable () -> (bool, detail) that times gds against direct on this table; asked only where real
-    GPU-direct storage exists. Without it, windows of at least GDS_MIN_WINDOW bytes go to gds.
+    GPU-direct storage exists. Without it, windows of at least GDS_MIN_WINDOW bytes go to gds. state: a callable
+    giving (kvikio usable, real GPU-direct, why) (default gds_state).
     """
+    state = state or gds_state
     cfg = config or Config.from_env()
     plat = detect(cfg.platform)
     if plat.kind == "cpu":
@@ -128,7 +131,7 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
     if name == "gds":
         if plat.kind == "rocm":
             raise BackendError("backend 'gds' is not available on ROCm: KvikIO/cuFile is CUDA-only")
-        ok, real, why = gds_state()
+        ok, real, why = state()
         if not ok:
             raise BackendError(f"backend 'gds' is not available here: {why}")
         return "gds", "gds", why
@@ -140,7 +143,7 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
         return "direct", "zero-copy", f"unified memory ({plat.reason}): direct reads into GPU-mapped host memory"
     if plat.kind == "rocm":
         return "direct", "copy", "ROCm: direct reads into pinned host staging, then a HIP copy"
-    ok, real, why = gds_state()
+    ok, real, why = state()
     if real and gds_faster is not None:
         faster, detail = gds_faster()
         if faster:

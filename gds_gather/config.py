@@ -23,6 +23,8 @@ def _default_cache_dir() -> Path:
 class Config:
     backend: str = "auto"       # GDS_GATHER_BACKEND: force a backend (see gds_gather.backends())
     platform: str = "auto"      # GDS_GATHER_PLATFORM: auto | discrete | unified | rocm | cpu (override detection)
+    accel: str = "cuda"         # GDS_GATHER_ACCEL: the device of the GPU path: cuda | host (accel.HostAccel: the
+    #                             whole device path run on the host, for tests and debugging)
     align: int = 0              # GDS_GATHER_ALIGN: O_DIRECT window alignment; 0 = max(4096, logical block size)
     max_gap: int = 0            # GDS_GATHER_MAX_GAP: merge windows separated by at most this many unread BYTES
     max_window: int = 1 << 20   # GDS_GATHER_MAX_WINDOW: cap on one O_DIRECT window's bytes (0: none); exceeded only
@@ -54,6 +56,8 @@ class Config:
             raise bad("align", f"0 or a power of two up to {_MAX_ALIGN}", self.align)
         if self.engine not in ("auto", "uring", "threads"):
             raise bad("engine", "auto, uring or threads", self.engine)
+        if self.accel not in ("cuda", "host"):
+            raise bad("accel", "cuda or host", self.accel)
         if self.platform not in ("auto", "discrete", "unified", "rocm", "cpu"):
             raise bad("platform", "auto, discrete, unified, rocm or cpu", self.platform)
         if isinstance(self.max_waste, bool) or not isinstance(self.max_waste, (int, float)) \

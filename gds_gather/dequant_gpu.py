@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -241,8 +242,20 @@ def _kind(x, what: str) -> str:
     raise TypeError(f"{what} must be a cupy array or a torch CUDA tensor, got {type(x).__name__}")
 
 
-def _describe(x, what: str):
-    """(kind, data pointer, dtype name, shape, device id) of a cupy array / torch CUDA tensor; contiguous only."""
+def _describe(x, what: str, host: bool = False):
+    """(kind, data pointer, dtype name, shape, device id) of a cupy array / torch CUDA tensor; contiguous only.
+    host=True: of HostAccel's arrays instead (numpy / accel.HostArray / torch CPU tensors; device -1)."""
+    if host:
+        k = arrays.kind(x)
+        if k == "torch":
+            if not x.is_contiguous():
+                raise ValueError(f"{what} must be contiguous")
+            return "torch", int(x.data_ptr()), str(x.dtype).replace("torch.", ""), tuple(x.shape), -1
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{what} must be a host array or a torch CPU tensor (HostAccel), got {type(x).__name__}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous")
+        return "numpy", int(x.ctypes.data), x.dtype.name, tuple(x.shape), -1
     kind = _kind(x, what)
     if kind == "cupy":
         if not x.flags.c_contiguous:
@@ -288,6 +301,13 @@ def _out_shape(inv_shape: tuple, n: int, row_elems: int, seg: int, layout: str) 
     if layout == "flat":
         return tuple(inv_shape) + (row_elems,)
     return (row_elems // seg, n, seg)
+
+
+def output_shape(inv_shape: tuple, qtype, row_elems: int, layout: str = "flat", n_layer=None) -> tuple:
+    """The shape gather_rows gives for ids of `inv_shape` (flat: inv_shape + (row_elems,); per_layer:
+    (n_layer, N, row_elems // n_layer))."""
+    _, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    return _out_shape(tuple(inv_shape), math.prod(inv_shape), int(row_elems), seg, layout)
 
 
 def launch_config(n_rows: int, row_elems: int, n_sm: int) -> tuple[int, int]:
@@ -359,11 +379,55 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     here is allocated on torch's current stream: with an explicit `stream`, prefer ``torch.cuda.stream(s)``
     (or pass `out`).
     """
-    kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse")
+    g = check_launch(staging, row_offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer)
+    cp = _cupy()
+    tab, n_sm = _device_state(g.dev)
+    handle = _stream_handle(stream, g.kind, g.dev)
+    with cp.cuda.Device(g.dev), arrays.cupy_stream(handle):
+        if out is None:
+            if g.kind == "torch":
+                import torch
+                out = torch.empty(g.shape, dtype=getattr(torch, g.name), device=inverse.device)
+            else:
+                out = cp.empty(g.shape, dtype=np.uint16 if g.name == "bfloat16" else g.name)
+        out_ptr = check_out(out, g)
+        if g.n == 0:
+            return out
+        grid, rpc = launch_config(g.n, g.row_elems, n_sm)
+        fn = _kernel(int(g.qt), g.name, g.inv_dtype)
+        fn((grid,), (BLOCK,), (
+            np.uint64(g.st_ptr), np.uint64(g.off_ptr), np.uint64(g.inv_ptr), np.uint64(out_ptr), tab,
+            np.int64(g.n), np.int32(g.row_elems), np.int32(g.seg), np.int32(rpc),
+            np.float32(1.0 if scale is None else scale), np.int32(scale is not None)))
+    return out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One gather's checked arguments (check_launch)."""
+    kind: str
+    st_ptr: int
+    off_ptr: int
+    inv_ptr: int
+    inv_dtype: str
+    dev: int
+    qt: Q
+    seg: int
+    row_elems: int
+    name: str
+    n: int
+    shape: tuple
+
+
+def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", layout="flat", n_layer=None,
+                 host: bool = False) -> Launch:
+    """The checks gather_rows makes on its arguments (kinds, dtypes, one device, the type and geometry), and what
+    the launch needs; host=True for HostAccel's arrays (accel.HostAccel.gather makes the same checks)."""
+    kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse", host)
     if inv_dtype not in INDEX_CTYPES:
         raise TypeError(f"inverse must be int32 or int64, got {inv_dtype}")
-    _, st_ptr, st_dtype, _, st_dev = _describe(staging, "staging")
-    _, off_ptr, off_dtype, off_shape, off_dev = _describe(row_offsets, "row_offsets")
+    _, st_ptr, st_dtype, _, st_dev = _describe(staging, "staging", host)
+    _, off_ptr, off_dtype, off_shape, off_dev = _describe(row_offsets, "row_offsets", host)
     if st_dtype not in ("uint8", "int8"):
         raise TypeError(f"staging must hold bytes (uint8), got {st_dtype}")
     if off_dtype != "int64" or len(off_shape) != 1:
@@ -371,35 +435,19 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     if {st_dev, off_dev} != {dev}:
         raise ValueError(f"staging, row_offsets and inverse must be on one device, got {st_dev}, {off_dev}, {dev}")
     qt, _, seg = _geometry(qtype, row_elems, layout, n_layer)
-    row_elems = int(row_elems)
-    name = arrays.dtype_name(dtype)
     n = math.prod(inv_shape)
-    shape = _out_shape(inv_shape, n, row_elems, seg, layout)
+    return Launch(kind, st_ptr, off_ptr, inv_ptr, inv_dtype, dev, qt, seg, int(row_elems), arrays.dtype_name(dtype),
+                  n, _out_shape(inv_shape, n, int(row_elems), seg, layout))
 
-    cp = _cupy()
-    tab, n_sm = _device_state(dev)
-    handle = _stream_handle(stream, kind, dev)
-    with cp.cuda.Device(dev), arrays.cupy_stream(handle):
-        if out is None:
-            if kind == "torch":
-                import torch
-                out = torch.empty(shape, dtype=getattr(torch, name), device=inverse.device)
-            else:
-                out = cp.empty(shape, dtype=np.uint16 if name == "bfloat16" else name)
-        _, out_ptr, out_dtype, out_shape, out_dev = _describe(out, "out")
-        want = {"float32": ("float32",), "float16": ("float16",), "bfloat16": ("bfloat16", "uint16")}[name]
-        if out_dtype not in want or tuple(out_shape) != tuple(shape) or out_dev != dev:
-            raise ValueError(f"out must be {name} of shape {shape} on device {dev}, "
-                             f"got {out_dtype} {tuple(out_shape)} on {out_dev}")
-        if n == 0:
-            return out
-        grid, rpc = launch_config(n, row_elems, n_sm)
-        fn = _kernel(int(qt), name, inv_dtype)
-        fn((grid,), (BLOCK,), (
-            np.uint64(st_ptr), np.uint64(off_ptr), np.uint64(inv_ptr), np.uint64(out_ptr), tab,
-            np.int64(n), np.int32(row_elems), np.int32(seg), np.int32(rpc),
-            np.float32(1.0 if scale is None else scale), np.int32(scale is not None)))
-    return out
+
+def check_out(out, g: Launch, host: bool = False) -> int:
+    """out's data pointer, once it is of the launch's dtype, shape and device (ValueError otherwise)."""
+    _, out_ptr, out_dtype, out_shape, out_dev = _describe(out, "out", host)
+    want = {"float32": ("float32",), "float16": ("float16",), "bfloat16": ("bfloat16", "uint16")}[g.name]
+    if out_dtype not in want or tuple(out_shape) != tuple(g.shape) or out_dev != g.dev:
+        raise ValueError(f"out must be {g.name} of shape {g.shape} on device {g.dev}, "
+                         f"got {out_dtype} {tuple(out_shape)} on {out_dev}")
+    return out_ptr
 
 
 # ---- host: the same source through a C++ compiler -------------------------------------------------------------

@@ -53,25 +53,21 @@ def _up(x: int, a: int) -> int:
 class DeviceRowCache:
     """The index (host) and the pool (device) of one cache; `fresh_base` is where the fresh area starts."""
 
-    def __init__(self, index: rowcache.RowCache, device_id: int, key=None):
+    def __init__(self, index: rowcache.RowCache, device_id: int, key=None, accel=None):
+        from .accel import get
         self.index, self.device_id, self.key = index, device_id, key
+        self.accel = accel or get("cuda")
         self.row_bytes = index.row_bytes
         self.cache_bytes = index.capacity * index.row_bytes
         self.fresh_base = _up(self.cache_bytes, FRESH_ALIGN)
-        self.pool = None            # cupy uint8 array on device_id, fixed while a prefill holds the cache
+        self.pool = None            # device uint8 array, fixed while a prefill holds the cache
         self.in_use = False
 
     def ensure(self, fresh_bytes: int):
         """The pool with room for `fresh_bytes` after the slots (grown before capture; cached rows kept)."""
-        import cupy as cp
         need = self.fresh_base + _up(max(int(fresh_bytes), 8), FRESH_ALIGN)
         if self.pool is None or self.pool.nbytes < need:
-            with cp.cuda.Device(self.device_id):
-                new = cp.empty(need, cp.uint8)
-                if self.pool is not None and self.cache_bytes:
-                    new[:self.cache_bytes] = self.pool[:self.cache_bytes]
-                    cp.cuda.Device().synchronize()
-            self.pool = new
+            self.pool = self.accel.grow(self.pool, need, self.cache_bytes, self.device_id)
         return self.pool
 
     def clear(self) -> None:
@@ -79,16 +75,17 @@ class DeviceRowCache:
         self.index.clear()
 
 
-def acquire(table, device_id: int) -> DeviceRowCache | None:
-    """This table's device cache on `device_id` (None when the budget is 0 or the backend has no cache)."""
+def acquire(table, device_id: int, accel=None) -> DeviceRowCache | None:
+    """This table's device cache on `device_id` of `accel` (None when the budget is 0 or the backend has no
+    cache)."""
     budget = rowcache.budget_for(table.config.cache_bytes, table.n_bytes)
     if budget <= 0 or rowcache.capacity_for(budget, table.row_bytes) == 0:
         return None
-    key = rowcache._key(table, budget) + (int(device_id),)
+    key = rowcache.cache_key(table, budget) + (accel.name if accel else "cuda", int(device_id))
 
     def new(k):
         return DeviceRowCache(rowcache.RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
-                                                store=False, max_rows=table.n_rows), int(device_id), k)
+                                                store=False, max_rows=table.n_rows), int(device_id), k, accel)
     with _LOCK:
         for k in [k for k, v in _POOLS.items() if k[0] == key[0] and k[1] != key[1] and not v.in_use]:
             del _POOLS[k]                                   # same path, another file identity: stale
@@ -145,9 +142,9 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
 
     copy mode: `fresh` is the slot's host buffer (uint8): the misses are read and packed there, to land at
     fresh_base in the pool. gds mode: `region` is the pool offset of the slot's region; `reader.fetch(plan,
-    wait=False)` reads the misses' windows there. Counts go into table._io (Table.stats()).
+    read_windows)` reads the misses' windows there. Counts go into table.io (Table.stats()).
     """
-    c, rb, U, io = dc.index, plan.row_bytes, plan.n_unique, table._io
+    c, rb, U, io = dc.index, plan.row_bytes, plan.n_unique, table.io
     slots, g = c.lookup_gen(plan.unique_rows)
     hit = slots >= 0
     nh = int(hit.sum())
@@ -160,7 +157,7 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
         miss = ~hit
         rows = plan.unique_rows[miss]
         mplan = replan(plan, table.config, rows) if nh else plan
-        pc0 = getattr(reader, "rows_from_page_cache", 0)
+        pc0 = reader.rows_from_page_cache
         if region is None:
             got = reader.read(mplan)
             nb = got.size
@@ -168,9 +165,9 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
             fo = dc.fresh_base + np.arange(rows.shape[0], dtype=np.int64) * rb
             words = -(-nb // 8)
         else:
-            reader.fetch(mplan, wait=False)
+            reader.read_windows(mplan)
             fo = int(region) + mplan.row_staging
-        pc = rowcache._count_reader(io, reader, pc0, U - nh)
+        pc = rowcache.count_reader(io, reader, pc0, U - nh)
         offs[miss] = fo
         with c.lock:
             new = c.admit(rows, None, protect=slots[hit], gen=g)

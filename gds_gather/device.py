@@ -13,13 +13,15 @@ or until close(), which first waits for the stream of the last fetch.
 from __future__ import annotations
 
 import logging
+import weakref
+from pathlib import Path
 
 import numpy as np
 
-from . import arrays
+from . import devcache
 from .errors import BackendError, ReadError
 from .planner import ReadPlan, realign
-from .readers import GDS_ALIGN
+from .readers import GDS_ALIGN, check_file
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,8 @@ class _LastStream:
     """The stream of a sink's last fetch (and the caller's stream object, kept alive), to wait for before the
     staging it reads is unpinned, unmapped or freed."""
 
-    def __init__(self):
-        self.caller = self.stream = None
+    def __init__(self, accel):
+        self.accel, self.caller, self.stream = accel, None, None
 
     def used(self, caller, stream) -> None:
         self.caller, self.stream = caller, stream
@@ -44,20 +46,22 @@ class _LastStream:
     def wait(self) -> None:
         s, self.caller, self.stream = self.stream, None, None
         if s is not None:
-            s.synchronize()
+            self.accel.synchronize(s)
 
 
 class _DeviceBuffer:
-    """A device byte buffer that grows by doubling (cupy allocation)."""
+    """A device byte buffer that grows by doubling."""
 
-    def __init__(self):
-        self.buf = None
+    def __init__(self, accel):
+        self.accel, self.buf = accel, None
 
     def ensure(self, nbytes: int):
-        cp = _cp()
         if self.buf is None or self.buf.nbytes < nbytes:
-            self.buf = cp.empty(max(1 << 20, 1 << (int(nbytes) - 1).bit_length()), cp.uint8)
+            self.buf = self.accel.empty(max(1 << 20, 1 << (int(nbytes) - 1).bit_length()))
         return self.buf
+
+    def int64(self, n: int):
+        return self.ensure(8 * n).view(np.int64)[:n]
 
 
 class _Pin:
@@ -96,120 +100,103 @@ def device_view(host: np.ndarray):
 
 
 class DeviceSink:
-    """Moves what a host reader reads to the GPU: one H2D copy ("copy") or none ("zero-copy")."""
+    """Moves what a host reader reads to the device: one H2D copy ("copy") or none ("zero-copy"). With a device
+    row cache (devcache.DeviceRowCache, copy mode) hits stay in device memory and only misses are copied up."""
 
-    def __init__(self, reader, mode: str, *, cache=None, replan=None, io=None):
+    bytes_read = 0          # (its reader, one of the Table's, counts the bytes)
+
+    def __init__(self, reader, mode: str, *, accel, table=None, cache=None):
         if mode not in ("copy", "zero-copy"):
             raise ValueError(mode)
-        self.reader, self.mode = reader, mode
-        # device-resident row cache (copy mode): rowcache.RowCache(store=False) keeps the index and policy, the
-        # rows live in GPU memory in front of the staging, in one buffer, so one offsets array serves both
-        self.cache = cache if mode == "copy" else None
-        self.replan, self.io = replan, io
-        self._cache_dev = None
-        self.dev = _DeviceBuffer()
-        self.offsets = _DeviceBuffer()
-        self.last = _LastStream()
-        staging = getattr(reader, "staging", None)
-        self.pinned = staging is not None
-        if staging is not None:
-            pin_staging(staging, mapped=mode == "zero-copy")
+        # (a proxy: the Table's finalizer holds its sinks, which must not keep the Table alive)
+        self.reader, self.mode, self.accel = reader, mode, accel
+        self.table = weakref.proxy(table) if table is not None else None
+        self.dc = cache if mode == "copy" else None
+        if cache is not None and self.dc is None:
+            devcache.release(cache)
+        self.dev = _DeviceBuffer(accel)
+        self.offsets = _DeviceBuffer(accel)
+        self.pairs = _DeviceBuffer(accel)
+        self.fresh = None           # (host view, device pointer, owner) of pinned memory for the misses
+        self.last = _LastStream(accel)
+        self.pinned = reader.staging is not None
+        if self.pinned:
+            accel.pin(reader.staging, mapped=mode == "zero-copy")
         elif mode == "zero-copy":
             self.mode = "copy"      # mmap/readahead/resident return fresh arrays: copy them up
         self.how = f"{reader.how}; {'zero-copy GPU-mapped staging' if self.mode == 'zero-copy' else 'pinned staging + one H2D copy' if self.pinned else 'host rows + one H2D copy'}"
+        if self.dc is not None:
+            self.how += f"; device row cache of {self.dc.index.capacity:,} rows"
 
-    def fetch(self, plan: ReadPlan, stream=None):
-        cp = _cp()
-        s = arrays.cupy_stream(stream)
-        s.synchronize()      # the previous batch's consumers on this stream are done with staging
+    @property
+    def cache(self):
+        """The device cache's index (rowcache.RowCache), or None."""
+        return self.dc.index if self.dc is not None else None
+
+    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
+        """wait=False: the caller has waited for the stream (Table's copy of the ids down on it)."""
+        a = self.accel
+        s = a.current(stream)
+        if wait:
+            a.synchronize(s)    # the previous batch's consumers on this stream are done with staging
         self.last.used(stream, s)
-        if self.cache is not None and self.cache.capacity and hasattr(self.reader, "fetch"):
+        if self.dc is not None:
             return self._fetch_cached(plan, s)
-        if hasattr(self.reader, "fetch"):
+        if self.pinned:
             host, offs = self.reader.fetch(plan)
             nbytes = (int(offs.max()) + plan.row_bytes) if offs.shape[0] else 0
         else:
             host = np.ascontiguousarray(self.reader.read(plan)).reshape(-1)
             offs = np.arange(plan.n_unique, dtype=np.int64) * plan.row_bytes
             nbytes = host.nbytes
-        with s:
+        with a.using(s):
             if self.mode == "zero-copy":
-                dev = device_view(host[:max(nbytes, 1)])
+                dev = a.device_view(host[:max(nbytes, 1)])
             else:
                 dev = self.dev.ensure(nbytes)
                 if nbytes:
-                    cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes,
-                                                cp.cuda.runtime.memcpyHostToDevice, s.ptr)
+                    a.h2d(dev, host, nbytes, s)
                 if not self.pinned:
-                    s.synchronize()     # `host` is a temporary: finish the copy before it is freed
-            d_offs = self.offsets.ensure(offs.nbytes).view(cp.int64)[:offs.shape[0]]
-            d_offs.set(np.ascontiguousarray(offs, np.int64), stream=s)
+                    a.synchronize(s)     # `host` is a temporary: finish the copy before it is freed
+            d_offs = self.offsets.int64(offs.shape[0])
+            a.upload(d_offs, np.ascontiguousarray(offs, np.int64), s)
         return dev[:nbytes], d_offs
 
     def _fetch_cached(self, plan: ReadPlan, s):
-        """Hits stay in the device cache (no PCIe); misses are read and copied up behind the cache slots, then
-        the admitted ones are copied device-to-device into their slots. Offsets: slot * row_bytes for hits,
-        cache bytes + staging offset for fresh rows, into one device buffer."""
-        cp = _cp()
-        c, rb, U = self.cache, plan.row_bytes, plan.n_unique
-        cb = c.capacity * rb
-        self.reader.check_file()                 # hits must not outlive a changed file
-        slots, g = c.lookup_gen(plan.unique_rows)
-        hit = slots >= 0
-        nh = int(hit.sum())
-        offs_all = np.empty(U, np.int64)
-        offs_all[hit] = slots[hit] * rb
-        nbytes = 0
-        if nh < U:
-            miss = ~hit
-            rows = plan.unique_rows[miss]
-            pc0 = getattr(self.reader, "rows_from_page_cache", 0)
-            host, offs = self.reader.fetch(self.replan(rows) if nh else plan)
-            nbytes = int(offs.max()) + rb
-            offs_all[miss] = cb + offs
-            if self.io is not None:
-                from .rowcache import _count_reader
-                _count_reader(self.io, self.reader, pc0, U - nh)
-        if self.io is not None:
-            self.io["cache_hits"] += nh
-            self.io["rows_from_cache"] += nh
-            self.io["cache_misses"] += U - nh
-        with s:
-            need = cb + nbytes
-            if self._cache_dev is None or self._cache_dev.nbytes < need:
-                new = cp.empty(max(1 << 20, 1 << (int(need) - 1).bit_length()), cp.uint8)
-                if self._cache_dev is not None and cb:
-                    new[:cb] = self._cache_dev[:cb]
-                self._cache_dev = new
-            dev = self._cache_dev
-            if nbytes:
-                cp.cuda.runtime.memcpyAsync(dev.data.ptr + cb, host.ctypes.data, nbytes,
-                                            cp.cuda.runtime.memcpyHostToDevice, s.ptr)
-                with c.lock:
-                    new_slots = c.admit(rows, None, protect=slots[hit], gen=g)
-                a = new_slots >= 0
-                k = int(a.sum())
-                try:
-                    if k:   # devcache's row copy: [src offsets | dst offsets | 0, k] in one upload, one launch
-                        from . import devcache
-                        pairs = cp.asarray(np.concatenate([cb + offs[a], new_slots[a] * rb, [0, k]]).astype(np.int64))
-                        p = pairs.data.ptr
-                        devcache.copy_rows(dev.data.ptr, p, p + 8 * k, p + 16 * k, rb, k, s.ptr, dev.device.id)
-                except BaseException:
-                    c.clear()       # the index holds rows the device never copied
-                    raise
-            d_offs = self.offsets.ensure(U * 8).view(cp.int64)[:U]
-            d_offs.set(offs_all, stream=s)
-        return dev[:need], d_offs
+        """devcache.stage looks up, reads the misses into pinned memory and admits them; the misses are copied
+        up behind the cache slots, then the admitted ones device-to-device into their slots."""
+        a, dc, rb, U = self.accel, self.dc, plan.row_bytes, plan.n_unique
+        need = -(-U * rb // 8) * 8
+        if self.fresh is None or self.fresh[0].nbytes < need:
+            self.fresh = a.mapped(max(1 << 20, 1 << (int(need) - 1).bit_length()))
+        got = devcache.stage(dc, self.table, self.reader, plan, fresh=self.fresh[0])
+        nbytes, k = 8 * got.fresh_words, got.adm_src.shape[0]
+        try:
+            with a.using(s):
+                pool = dc.ensure(nbytes)
+                if nbytes:
+                    a.h2d(pool, self.fresh[0], nbytes, s, dst_offset=dc.fresh_base)
+                if k:   # devcache's row copy: [src offsets | dst offsets | 0, k] in one upload, one launch
+                    pairs = self.pairs.int64(2 * k + 2)
+                    a.upload(pairs, np.concatenate([got.adm_src, got.adm_dst, [0, k]]).astype(np.int64), s)
+                    p = a.ptr(pairs)
+                    a.copy_rows(a.ptr(pool), p, p + 8 * k, p + 16 * k, rb, k, s, dc.device_id)
+                d_offs = self.offsets.int64(U)
+                a.upload(d_offs, got.offsets, s)
+        except BaseException:
+            dc.clear()       # the index holds rows the device never copied
+            raise
+        return pool[:dc.fresh_base + nbytes], d_offs
 
     def close(self) -> None:
-        """Wait for the last fetch's stream (its kernels may still read the staging), then drop the buffers; the
-        reader, closed after the sinks (Table), then unpins and unmaps the staging."""
+        """Wait for the last fetch's stream (its kernels may still read the staging), then drop the buffers and
+        give the device cache back; the reader, closed after the sinks (Table), then unpins and unmaps."""
         try:
             self.last.wait()
         finally:
-            self.dev.buf = self.offsets.buf = None
-            self._cache_dev = None
+            self.dev.buf = self.offsets.buf = self.pairs.buf = self.fresh = None
+            devcache.release(self.dc)
+            self.dc = None
 
 
 def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
@@ -247,70 +234,76 @@ def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
 
 
 class GdsReader:
-    """KvikIO/cuFile: aligned windows read straight into device memory.
+    """KvikIO/cuFile (accel.cufile): aligned windows read straight into device memory.
 
     KvikIO's Python API takes one call per read, so this submits one pread per window (each split by KvikIO's
     thread pool): it suits large rows (Gemma's 7 KiB) far better than qwen4exp's 90-byte ones.
     """
 
     name = "gds"
+    cache = None
     tells_source = True      # cuFile reads every row from the file (no page-cache copies)
+    overlaps_io = False
+    staging = None
+    odirect = True
+    rows_from_page_cache = 0
+    last_from_page_cache = None
 
-    def __init__(self, path, data_offset, n_bytes, *, config, file_id):
-        try:
-            import kvikio
-            import kvikio.defaults
-        except Exception as e:   # ImportError, or OSError/RuntimeError from loading libkvikio / libcufile / libcuda
-            raise BackendError(f"gds needs a loadable kvikio (pip install 'gds-gather[cuda13]'): "
-                               f"{type(e).__name__}: {e}") from e
-        from .readers import Reader, default_threads
-        self._base = Reader(path, data_offset, n_bytes, config=config, file_id=file_id)
-        self.path, self.config = self._base.path, config
+    def __init__(self, path, data_offset, n_bytes, *, config, file_id, accel=None):
+        from .accel import get
+        from .readers import default_threads
+        self.accel = accel or get("cuda")
+        self.path, self.config, self.file_id = Path(path), config, file_id
+        self.data_offset, self.n_bytes, self.file_size = int(data_offset), int(n_bytes), int(file_id[2])
         threads = default_threads(config)
         try:
-            self.real_gds, reads = configure_kvikio(threads)
-            self.file = kvikio.CuFile(str(self.path), "r")
+            self.file, self.how, self.real_gds = self.accel.cufile(self.path, threads)
+        except BackendError:
+            raise
         except (OSError, RuntimeError) as e:
-            self._base.close()
             raise BackendError(f"gds: KvikIO could not open {self.path}: {type(e).__name__}: {e}") from e
-        self.how = f"KvikIO CuFile, {threads} threads, {reads}"
         if not self.real_gds:
             log.warning("%s: gds: %s", self.path.name, self.how)
-        self.dev = _DeviceBuffer()
-        self.offsets = _DeviceBuffer()
-        self.last = _LastStream()
-        self.odirect = True
+        self.dev = _DeviceBuffer(self.accel)
+        self.offsets = _DeviceBuffer(self.accel)
+        self.last = _LastStream(self.accel)
         self.bytes_read = 0
 
     def check_file(self) -> None:
         """ReadError if the file changed since the table was opened (as the host readers' check_file)."""
-        self._base.check_file()
+        check_file(self.path, self.file_id)
 
-    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
-        """wait=False: the caller guarantees nothing still reads the device staging (the prefill's double
-        buffering waits on its own event per slot)."""
-        cp = _cp()
-        self._base.check_file()
-        if not wait and plan.align % GDS_ALIGN:     # (the prefill keeps the plan's row_staging: no realigning)
+    def read_windows(self, plan: ReadPlan):
+        """The plan's windows into the device staging (`dev.buf`, which the caller may have placed), now; the
+        caller guarantees nothing still reads that staging (the prefill's slots wait on their events)."""
+        self.check_file()
+        if plan.align % GDS_ALIGN:     # (the prefill keeps the plan's row_staging: no realigning)
             raise BackendError(f"gds: plan at {plan.align}-byte alignment; plan at Table.gds_align ({GDS_ALIGN})")
-        plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
-        s = arrays.cupy_stream(stream)
-        if wait:
-            s.synchronize()  # cuFile is not stream-ordered: queued work must be done before we overwrite
-            self.last.used(stream, s)   # (wait=False: the prefill orders and drains its slots itself)
         dev = self.dev.ensure(plan.window_bytes)
-        size = self._base.file_size
         futures = []
         for off, n, st in zip(plan.win_offsets.tolist(), plan.win_lengths.tolist(), plan.win_staging.tolist()):
-            want = min(n, size - off)
+            want = min(n, self.file_size - off)
             futures.append((off, want, self.file.pread(dev[st:st + n], want, off)))
         for off, want, fu in futures:
             got = fu.get()
             if got != want:
                 raise ReadError(f"{self.path}: cuFile read at offset {off} returned {got} of {want} bytes")
         self.bytes_read += plan.window_bytes
-        d_offs = self.offsets.ensure(plan.row_staging.nbytes).view(cp.int64)[:plan.n_unique]
-        d_offs.set(plan.row_staging, stream=s)
+        return dev
+
+    def fetch(self, plan: ReadPlan, stream=None, wait: bool = True):
+        """(device staging, device offset of each unique row): the plan realigned to GDS_ALIGN and read, once the
+        stream's queued work is done with the staging (cuFile is not stream-ordered; wait=False: the caller has
+        waited)."""
+        a = self.accel
+        plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
+        s = a.current(stream)
+        if wait:
+            a.synchronize(s)
+        self.last.used(stream, s)
+        dev = self.read_windows(plan)
+        d_offs = self.offsets.int64(plan.n_unique)
+        a.upload(d_offs, plan.row_staging, s)
         return dev[:plan.window_bytes], d_offs
 
     def close(self) -> None:

@@ -80,5 +80,10 @@ class WaitValueRefused(BackendError):
     """The driver refused a stream wait/write-value operation (no stream memory operations here): run eagerly."""
 
 
+class StreamOrderError(BackendError):
+    """accel.HostAccel: queued work met host state a GPU would hang on or read wrong (a wait on an unset flag, a
+    copy larger than its launch)."""
+
+
 class TableClosedError(GatherError, ValueError):
     """A table used after close(): a model whose per-layer embedding it served cannot run any more."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .measure import fit
-from .backends import choose_device, resolve
+from .backends import resolve
 from .config import Config
 from .errors import BadIdsError, ModelMismatchError, TableClosedError
 from . import quants
@@ -153,12 +153,12 @@ class DiskEmbedding(torch.nn.Module):
         stream straight into the weight dtype."""
         t = self.table
         if self.device_backend is None:
-            self.device_backend = choose_device(t, self.backend, t.config)   # what Table.fetch_device will use
+            self.device_backend = t.device_choice(self.backend)   # what Table.fetch_device will use
         self.row_ids += ids_np.size
         self.rows_read += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):
             return t.gather(input_ids, self.backend, dtype=self.weight_dtype,
-                            stream=torch.cuda.current_stream(input_ids.device))
+                            stream=torch.cuda.current_stream(input_ids.device), host_ids=ids_np)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.rows(input_ids) * self.embed_scale.to(self.weight_dtype)

@@ -32,7 +32,7 @@ from .config import Config
 from .errors import BackendError
 from .graph import refused_in
 from .readers import HOST_READERS
-from .schedule import check_fits, graph_mode, run_ubatches, staging_bound_for
+from .schedule import graph_mode, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
 _KEPT_WHILE_QUEUED: list = []   # readers of prefills closed with GPU work queued: their staging is never unmapped
@@ -95,153 +95,91 @@ def _build_trunk(cfg, seed: int, device: str, dtype):
 
 
 class GpuPrefill:
-    """The graph-captured GPU pipeline (see the module docstring)."""
+    """The graph-captured GPU pipeline (see the module docstring) around one destination (destinations.py); every
+    device operation goes through `accel` (accel.CudaAccel on a GPU, accel.HostAccel on the host)."""
 
     def __init__(self, table, mapper, *, backend="auto", ubatch=2048, graph=True, dtype="bfloat16", seed=0,
-                 trunk="real", config: Config | None = None):
+                 trunk="real", config: Config | None = None, accel=None):
         import torch
-        from . import dequant_gpu
+        from . import accel as accel_mod
         from .platform import detect
-        self.torch, self.kern = torch, dequant_gpu
+        self.torch = torch
         self.t, self.mapper, self.graph, self.ubatch = table, mapper, graph, ubatch
         self.cfg = config or table.config
+        self.accel = accel or accel_mod.get(self.cfg.accel)
         self.platform = detect(self.cfg.platform)
         self.graph, self.graph_why = graph_mode(graph, self.platform.kind)
         if graph and not self.graph:
             log.warning("prefill: %s", self.graph_why)
-        self.dev = torch.device("cuda")
+        self.dev = self.accel.device
         self.tdtype = getattr(torch, dtype)
         self.dtype = dtype
         self.R = mapper.rows_per_token
         self.N = ubatch * self.R
-        name, mode, self.why = choose_device(table, backend, self.cfg)
+        name, mode, self.why = choose_device(table, backend, self.cfg, state=self.accel.gds_state)
         if name == "resident":
             mode = "resident"
         self.backend, self.mode = name, mode
         # device-resident row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the
         # host cache in place
-        self.dc = (devcache.acquire(table, torch.cuda.current_device())
-                   if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
-        self.readers, self.closed = [], False
+        dc = (devcache.acquire(table, self.accel.prefill_device(), self.accel)
+              if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
+        self.dest, self.closed, self.stream = None, False, None
         try:
-            self._setup(table, mapper, ubatch, dtype, trunk, seed, name, mode)
+            self._setup(table, mapper, ubatch, trunk, seed, dc)
         except BaseException:
+            if self.dest is None:
+                devcache.release(dc)
             self.close()            # the cache goes back (or a half-built pipeline would hold it forever)
             raise
 
-    def _setup(self, table, mapper, ubatch, dtype, trunk, seed, name, mode) -> None:
-        from .graph import HostFlags
-        torch, rb = self.torch, table.row_bytes
-        self.stream = torch.cuda.Stream()
-        self.trunk = _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
+    def _setup(self, table, mapper, ubatch, trunk, seed, dc) -> None:
+        from .destinations import build
+        torch, a = self.torch, self.accel
+        self.stream = a.stream()
+        self.trunk = None if trunk == "none" else _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
         self.trunk_kind = trunk
         # kernel geometry: gemma writes [n_layer, T, per_layer] scaled by sqrt(per_layer); qwen4exp [T*16, 160]
         self.gemma = mapper.gemma
         self.kargs = (dict(layout="per_layer", n_layer=mapper.n_layer, scale=mapper.row_scale) if self.gemma
                       else dict(layout="flat"))
-        pin = dict(pin_memory=True)
-        self.tokens_pin = [torch.zeros(ubatch, dtype=torch.int64, **pin) for _ in range(2)]
-        self.inv_pin = [torch.zeros(self.N, dtype=torch.int32, **pin) for _ in range(2)]
-        self.offs_pin = [torch.zeros(self.N, dtype=torch.int64, **pin) for _ in range(2)]
-        self.tokens_d = torch.zeros(ubatch, dtype=torch.int64, device=self.dev)
-        self.inv_d = torch.zeros(self.N, dtype=torch.int32, device=self.dev)
-        self.offs_d = torch.zeros(self.N, dtype=torch.int64, device=self.dev)
+        self.tokens_pin = [a.pinned(ubatch, torch.int64) for _ in range(2)]
+        self.inv_pin = [a.pinned(self.N, torch.int32) for _ in range(2)]
+        self.tokens_d = a.zeros(ubatch, torch.int64)
+        self.inv_d = a.zeros(self.N, torch.int32)
         self.flags = None
         if self.graph:
             try:
-                self.flags = HostFlags(2)
-                self.flags.probe(self.stream.cuda_stream)
+                self.flags = a.flags(2)
+                self.flags.probe(self.stream)
             except BackendError as e:   # no native release store, or no stream memory operations
                 self._eager(f"eager: the captured wait on a host flag is not available here ({e})")
         self.events = [None, None]
-        self.readers, self.staging_views = [], []
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
         # gds: KvikIO uses GPU-direct only for 4 KiB-aligned windows; the host engine's may be finer (wide rows)
-        self.align = table.gds_align if mode == "gds" else table.align
+        self.align = table.gds_align if self.mode == "gds" else table.align
         bound = staging_bound_for(table, self.N, self.align)
-        self.capacity = [None, None]          # bytes of captured staging per slot (None: not captured)
-        if self.dc is not None:
-            self._cache_buffers(bound)
-        elif mode == "gds":
-            for s in range(2):
-                r = self._new_reader()
-                buf = r.dev.ensure(bound)
-                self.capacity[s] = int(buf.nbytes)
-                self.staging_views.append(torch.as_tensor(buf, device=self.dev))
-                self.readers.append(r)
-        elif mode == "resident":        # the upper bound: the whole table in device memory, no I/O at all
-            data = np.fromfile(table.path, np.uint8, table.n_bytes, offset=table.data_offset)
-            self.table_d = torch.from_numpy(data).to(self.dev)
-            self.staging_views = [self.table_d, self.table_d]
-        else:
-            from .device import device_view, pin_staging
-            for _ in range(2):
-                r = self._new_reader()
-                if mode == "zero-copy" and not hasattr(r, "staging"):
-                    mode = self.mode = "copy"
-                self.readers.append(r)
-            if mode == "zero-copy":
-                for s, r in enumerate(self.readers):
-                    pin_staging(r.staging, mapped=True)
-                    host = r.staging.ensure(bound if r.odirect else self.N * rb)   # fixed address from now on
-                    self.capacity[s] = int(host.nbytes)
-                    self.staging_views.append(torch.as_tensor(device_view(host), device=self.dev))
-            else:   # copy: the host compacts rows into pinned memory; the graph copies N x row_bytes up
-                self.rows_pin = [torch.zeros(self.N * rb, dtype=torch.uint8, **pin) for _ in range(2)]
-                self.rows_d = torch.zeros(self.N * rb, dtype=torch.uint8, device=self.dev)
-                self.offs_compact = torch.arange(self.N, dtype=torch.int64, device=self.dev) * rb
+        self.dest, self.mode = build(self, self.mode, bound, dc)
         self.graphs: dict = {}
         self.g_events: dict = {}
         self.stats = Stats()
-        self.how = (f"{name} -> {mode}" + (f" ({self.readers[0].how})" if self.readers else "")
-                    + (f"; device row cache of {self.dc.index.capacity:,} rows in GPU memory" if self.dc else "")
-                    + f"; {self.graph_why}")
+        self.how = f"{self.backend} -> {self.mode}{self.dest.how}; {self.graph_why}"
+
+    @property
+    def readers(self) -> list:
+        return self.dest.readers if self.dest is not None else []
 
     def _eager(self, why: str) -> None:
         """Run eagerly from now on (before any replay: the graphs made so far are dropped)."""
         log.warning("prefill: %s", why)
         self.graph, self.graph_why, self.flags, self.graphs = False, why, None, {}
 
-    def _new_reader(self):
-        """A reader of the table for one staging slot: KvikIO for gds, else the host backend."""
-        t = self.t
+    def new_reader(self):
+        """A reader of the table for one staging slot: cuFile for gds, else the host backend."""
         if self.mode == "gds":
             from .device import GdsReader
-            return GdsReader(t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
-        return HOST_READERS[self.backend](t.path, t.data_offset, t.n_bytes, config=self.cfg, file_id=t.file_id)
-
-    def _cache_buffers(self, bound: int) -> None:
-        """Buffers of the device row cache (devcache.py): one pool [slots | fresh area], per slot the pinned control
-        counts and admissions, and (copy) a pinned, GPU-mapped host buffer for the slot's fresh rows or (gds) the
-        slot's region of the fresh area for cuFile. Every address is fixed from here on (graphs capture them)."""
-        import cupy as cp
-        torch, t, dc, N = self.torch, self.t, self.dc, self.N
-        pin = dict(pin_memory=True)
-        self.ctl_pin = [torch.zeros(2, dtype=torch.int64, **pin) for _ in range(2)]
-        self.adm_pin = [torch.zeros(2 * N, dtype=torch.int64, **pin) for _ in range(2)]
-        self.ctl_d = torch.zeros(2, dtype=torch.int64, device=self.dev)
-        self.adm_d = torch.zeros(2 * N, dtype=torch.int64, device=self.dev)
-        self.region = [None, None]
-        if self.mode == "gds":
-            step = -(-bound // devcache.FRESH_ALIGN) * devcache.FRESH_ALIGN
-            pool = dc.ensure(2 * step)
-            for s in range(2):
-                r = self._new_reader()
-                self.region[s] = dc.fresh_base + s * step
-                r.dev.buf = pool[self.region[s]:self.region[s] + bound]     # cuFile reads land in the pool
-                self.capacity[s] = bound
-                self.readers.append(r)
-        else:
-            nb = -(-N * t.row_bytes // 8) * 8
-            pool = dc.ensure(nb)
-            self.fresh_mem = [cp.cuda.alloc_pinned_memory(nb) for _ in range(2)]   # cudaHostAlloc: mapped (UVA)
-            self.fresh_host = [np.frombuffer(m, np.uint8, nb) for m in self.fresh_mem]
-            self.fresh_dev = [int(cp.cuda.runtime.pointerGetAttributes(m.ptr).devicePointer) for m in self.fresh_mem]
-            self.fresh_words_max = nb // 8
-            for _ in range(2):
-                self.readers.append(self._new_reader())
-        self.pool_view = torch.as_tensor(pool, device=self.dev)
-        self.staging_views = [self.pool_view, self.pool_view]
+            return self.t.region.open(GdsReader, self.cfg, accel=self.accel)
+        return self.t.region.open(HOST_READERS[self.backend], self.cfg)
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):
@@ -249,42 +187,24 @@ class GpuPrefill:
             return self._step_body(n, s, wait, ev)
 
     def _step_body(self, n: int, s: int, wait: bool, ev=None):
-        torch, t = self.torch, self.t
-        stream = torch.cuda.current_stream()
-        h = stream.cuda_stream
+        a, t, st = self.accel, self.t, self.stream
         if ev is not None:
-            ev[0].record(stream)
+            ev[0].record(st)
         if wait:
-            self.flags.wait(h, s, 1)
+            self.flags.wait(st, s, 1)
         N = n * self.R
-        self.tokens_d[:n].copy_(self.tokens_pin[s][:n], non_blocking=True)
-        self.inv_d[:N].copy_(self.inv_pin[s][:N], non_blocking=True)
-        dc = self.dc
-        if dc is not None:      # hits in the pool's slots, misses copied (or read) into its fresh area
-            self.ctl_d.copy_(self.ctl_pin[s], non_blocking=True)
-            self.adm_d.copy_(self.adm_pin[s], non_blocking=True)
-            self.offs_d[:N].copy_(self.offs_pin[s][:N], non_blocking=True)
-            if self.mode == "copy":
-                devcache.copy_words(self.fresh_dev[s], self.pool_view.data_ptr() + dc.fresh_base,
-                                    self.ctl_d.data_ptr(), self.fresh_words_max, h, dc.device_id)
-            staging, offs = self.pool_view, self.offs_d
-        elif self.mode == "copy":
-            nb = N * t.row_bytes
-            self.rows_d[:nb].copy_(self.rows_pin[s][:nb], non_blocking=True)
-            staging, offs = self.rows_d, self.offs_compact
-        else:
-            self.offs_d[:N].copy_(self.offs_pin[s][:N], non_blocking=True)
-            staging, offs = self.staging_views[s], self.offs_d
-        rows = self.kern.gather_rows(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype,
-                                     stream=stream, **self.kargs)
-        if dc is not None:      # admissions: after the dequant read this ubatch's rows
-            a = self.adm_d.data_ptr()
-            devcache.copy_rows(self.pool_view.data_ptr(), a, a + 8 * self.N, self.ctl_d.data_ptr(), t.row_bytes,
-                               self.N, h, dc.device_id)
+        a.copy(self.tokens_d[:n], self.tokens_pin[s][:n], st)
+        a.copy(self.inv_d[:N], self.inv_pin[s][:N], st)
+        staging, offs = self.dest.inputs(s, N)
+        rows = a.gather(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype, stream=st,
+                        **self.kargs)
+        self.dest.after(s)
         if wait:
-            self.flags.write(h, s, 0)
+            self.flags.write(st, s, 0)
         if ev is not None:
-            ev[1].record(stream)
+            ev[1].record(st)
+        if self.trunk is None:        # the PLE step alone (as CpuPrefill's trunk="none")
+            return rows, None
         tok = self.tokens_d[:n]
         h0 = self.trunk.embed(tok)
         ple = self.trunk.ple_inputs(rows if self.gemma else rows.view(n, -1), h0)
@@ -293,24 +213,19 @@ class GpuPrefill:
     def _graph(self, n: int, s: int):
         key = (n, s)
         if key not in self.graphs:
-            torch = self.torch
-            if self.dc is not None:      # warm-up steps run for real: no stale copies or admissions
-                for c in self.ctl_pin:
-                    c.numpy()[:] = 0
-            self.kern.warmup([self.t.qtype], dtypes=(self.dtype,), index_dtypes=("int32",))
-            with torch.cuda.stream(self.stream):
+            a = self.accel
+            self.dest.warm()
+            a.warmup([self.t.qtype], self.dtype)
+            with a.using(self.stream):
                 for _ in range(2):               # warm up outside capture (allocations, autotuning, JIT)
-                    self._step(n, s, wait=False)
-            self.stream.synchronize()
+                    a.defer(self.stream, lambda: self._step(n, s, wait=False))
+            a.synchronize(self.stream)
             try:
-                ev = (torch.cuda.Event(enable_timing=True, external=True),
-                      torch.cuda.Event(enable_timing=True, external=True))
+                ev = (a.event(timing=True, external=True), a.event(timing=True, external=True))
             except TypeError:
                 ev = None
-            g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, stream=self.stream):
-                    out = self._step(n, s, wait=True, ev=ev)
+                g, out = a.capture(self.stream, lambda: self._step(n, s, wait=True, ev=ev))
             except Exception as e:      # a refused wait node (torch's capture_end may raise over it): eager
                 refused = refused_in(e)
                 if refused is None:
@@ -323,55 +238,24 @@ class GpuPrefill:
 
     # -- the host side ----------------------------------------------------------------------------------------
     def _stage(self, tok: np.ndarray, s: int) -> None:
-        """Row ids, plan, reads and the slot's pinned buffers for one ubatch (host only, no CUDA call)."""
+        """Row ids, plan, reads and the slot's pinned buffers for one ubatch (host only, no device call)."""
         t, st = self.t, self.stats
         a = time.perf_counter()
         ids = self.mapper(tok)
         plan = t.plan(ids, align=self.align)
-        self._check_capacity(plan, s)
+        self.dest.check(plan, s)
         b = time.perf_counter()
         n, N = tok.shape[0], plan.n_ids
-        if self.mode == "resident":
-            offs = plan.row_offsets - t.data_offset
-        elif self.dc is not None:
-            gds = self.mode == "gds"
-            got = devcache.stage(self.dc, t, self.readers[s], plan, fresh=None if gds else self.fresh_host[s],
-                                 region=self.region[s] if gds else None)
-            offs, n_adm = got.offsets, got.adm_src.shape[0]
-            adm = self.adm_pin[s].numpy()
-            adm[:n_adm] = got.adm_src
-            adm[self.N:self.N + n_adm] = got.adm_dst
-            self.ctl_pin[s].numpy()[:] = (got.fresh_words, n_adm)
-        elif self.mode == "gds":
-            _, d_offs = self.readers[s].fetch(plan, wait=False)
-            offs = plan.row_staging
-        elif not hasattr(self.readers[s], "fetch"):      # mmap, readahead, resident: compact rows come back
-            rows = self.readers[s].read(plan)
-            self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
-        else:       # the table's row cache (hits) + fresh reads, compact
-            rows = rowcache.read_through(t, self.readers[s], plan)
-            if self.mode == "copy":
-                self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
-            else:   # zero-copy: the kernel reads the compact rows in place in the slot's fixed, mapped staging
-                self.readers[s].staging.buf[:rows.size] = rows.reshape(-1)
-                offs = np.arange(plan.n_unique, dtype=np.int64) * t.row_bytes
+        self.dest.stage(plan, s)
         c = time.perf_counter()
         self.tokens_pin[s].numpy()[:n] = tok
         self.inv_pin[s].numpy()[:N] = plan.inverse
-        if self.mode != "copy" or self.dc is not None:
-            self.offs_pin[s].numpy()[:plan.n_unique] = offs
         st.tokens += n
         st.ple_rows += N
         st.unique_rows += plan.n_unique
         st.useful_bytes += plan.exact_bytes
         st.index_seconds += b - a
         st.io_seconds += c - b
-
-    def _check_capacity(self, plan, s: int) -> None:
-        """Refuse a plan the slot's captured staging cannot hold, before anything is read into it."""
-        if self.capacity[s] is not None:
-            check_fits(plan, self.capacity[s], self.mode == "gds" or self.readers[s].odirect,
-                       f"captured staging of slot {s}")
 
     # -- the device half of gds_gather.schedule's contract ------------------------------------------------------
     def slot_free(self, k: int, s: int) -> None:
@@ -383,11 +267,15 @@ class GpuPrefill:
         captured = self._graph(n, s) if self.graph else None
         if captured is not None:
             g, out = captured
-            g.replay()                            # waits on the GPU for flag s
+            g.replay()                            # waits on the device for flag s
         else:
-            torch = self.torch
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            out = self._step(n, s, wait=False, ev=ev)
+            a = self.accel
+            ev = (a.event(timing=True), a.event(timing=True))
+            out = []
+
+            def step():
+                out[:] = self._step(n, s, wait=False, ev=ev)
+            a.defer(self.stream, step)
             self.g_events[("eager", s)] = ev
         self._out = out
 
@@ -397,17 +285,17 @@ class GpuPrefill:
 
     def scrub(self, s: int) -> None:
         """Zero the slot's pinned tokens and indices: a released step then reads row 0 at offset 0 (in bounds)."""
-        ctl = getattr(self, "ctl_pin", None)
-        for buf in (self.tokens_pin[s], self.inv_pin[s], self.offs_pin[s]) + ((ctl[s],) if ctl else ()):
+        for buf in (self.tokens_pin[s], self.inv_pin[s]):
             buf.numpy()[:] = 0
+        self.dest.scrub(s)
 
     def done(self, k: int, s: int) -> None:
-        e = self.torch.cuda.Event()
+        e = self.accel.event()
         e.record(self.stream)
         self.events[s] = e
 
     def drain(self) -> None:
-        self.stream.synchronize()
+        self.accel.synchronize(self.stream)
 
     def rearm(self) -> None:
         if self.flags is not None:
@@ -415,7 +303,7 @@ class GpuPrefill:
         self.events = [None, None]
 
     def run(self, tokens: np.ndarray, progress=None, collect: bool = False) -> dict:
-        torch = self.torch
+        a = self.accel
         if self.closed:
             raise ValueError("this GpuPrefill is closed")
         ub = self._ub = [tokens[k:k + self.ubatch] for k in range(0, tokens.size, self.ubatch)]
@@ -430,17 +318,17 @@ class GpuPrefill:
 
         def after(k, tok):
             if collect:
-                outs.append(tuple(x.clone() for x in self._out))
+                out = self._out
+                a.defer(self.stream, lambda: outs.append(tuple(x if x is None else x.clone() for x in out)))
             if progress:
                 progress(tok.size)
         mode = "eager" if not self.graph else "staged" if self.mode == "gds" else "overlap"
         t0 = time.perf_counter()
         try:
-            with torch.cuda.stream(self.stream):
+            with a.using(self.stream):
                 run_ubatches(ub, self._stage, self, mode, after=after)
         except BaseException:
-            if self.dc is not None:      # the device may not have made the admissions the host recorded
-                self.dc.clear()
+            self.dest.failed()
             raise
         wall = time.perf_counter() - t0
         for k in (len(ub) - 2, len(ub) - 1):
@@ -451,15 +339,15 @@ class GpuPrefill:
         res.update(pipeline="gpu", trunk=trunk_label(self.trunk, self.trunk_kind), graph=self.graph,
                    graph_reason=self.graph_why, schedule=mode,
                    backend=self.backend, destination=self.mode, backend_reason=self.why, how=self.how,
-                   ubatch=self.ubatch, ubatches=len(ub))
-        if self.dc is not None:
-            res.update(cache_where="gpu", device_cache_bytes=self.dc.index.nbytes)
+                   ubatch=self.ubatch, ubatches=len(ub), accel=a.name)
+        if self.dest.dc is not None:
+            res.update(cache_where="gpu", device_cache_bytes=self.dest.dc.index.nbytes)
         if collect:
-            res["outputs"] = [tuple(x.float().cpu() for x in o) for o in outs]
+            res["outputs"] = [tuple(x if x is None else x.float().cpu() for x in o) for o in outs]
         return res
 
     def _split(self, wall: float, n_ub: int):
-        """The PLE step's device time (CUDA events around it in the last ubatches, scaled to all of them); the
+        """The PLE step's device time (events around it in the last ubatches, scaled to all of them); the
         trunk is the rest of the wall time."""
         ms = self.stats.ple_gpu_ms
         if not ms:
@@ -484,21 +372,16 @@ class GpuPrefill:
         unpinned and unmapped, and the device row cache is never lent again."""
         self.closed = True
         self.graphs = {}
-        stream = getattr(self, "stream", None)
-        busy = stream is not None and not stream.query()
+        busy = self.stream is not None and not self.accel.query(self.stream)
         if busy:
             log.error("prefill: work still queued at close; its staging is kept and its device row cache discarded")
             _KEPT_WHILE_QUEUED.append(self.readers)
         else:
             for r in self.readers:
                 r.close()
-        self.readers = []
-        if self.dc is not None:
-            if busy:
-                devcache.discard(self.dc)
-            else:
-                devcache.release(self.dc)   # nothing queued: the next holder (another stream) may use the pool
-            self.dc = None
+        if self.dest is not None:
+            self.dest.close(busy)
+            self.dest.readers = []
 
 
 def _as_torch(a: np.ndarray):

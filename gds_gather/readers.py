@@ -15,7 +15,9 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -79,9 +81,59 @@ def default_threads(config: Config) -> int:
     return config.threads or 2 * (os.cpu_count() or 1)
 
 
+class RowReader(Protocol):
+    """What the chain (rowcache.read_through, devcache.stage, the device sinks) asks of a reader: every reader
+    declares each capability (Reader's defaults), none is probed."""
+    name: str
+    how: str
+    tells_source: bool      # its rows_from_* counters say where rows came from (O_DIRECT readers do)
+    overlaps_io: bool       # read(plan, during_io=, on_rows=) overlaps the caller's work with the reads
+    staging: "Staging | None"   # the reused host buffer fetch(plan) reads into (None: read returns fresh arrays)
+    odirect: bool           # fetch leaves rows inside aligned windows (plan.row_staging), not compact
+    bytes_read: int
+    rows_from_page_cache: int
+    last_from_page_cache: "np.ndarray | None"
+
+    def check_file(self) -> None: ...
+    def read(self, plan: ReadPlan) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a table's rows lie: the file, its identity when the table was opened (device, inode, size, mtime),
+    and the byte range of the rows. Every reader of a table is opened from it."""
+    path: Path
+    data_offset: int
+    n_bytes: int
+    file_id: tuple
+
+    def open(self, reader_class, config: Config, **kw):
+        """A reader of this region (a HOST_READERS class, device.GdsReader, ...)."""
+        return reader_class(self.path, self.data_offset, self.n_bytes, config=config, file_id=self.file_id, **kw)
+
+
+def check_file(path: Path, file_id: tuple) -> None:
+    """Raise ReadError if the file at `path` is no longer the one `file_id` (device, inode, size, mtime) names."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ReadError(f"{path}: the file was removed after it was opened") from None
+    now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if now != file_id:
+        what = ("replaced (another inode)" if now[:2] != file_id[:2] else
+                f"resized from {file_id[2]} to {now[2]} bytes" if now[2] != file_id[2] else
+                "modified (mtime changed)")
+        raise ReadError(f"{path}: the file was {what} since it was opened; reopen the table")
+
+
 class Reader:
     name = "?"
-    tells_source = False     # whether its rows_from_* counters say where rows came from (O_DIRECT readers do)
+    tells_source = False     # see RowReader
+    overlaps_io = False
+    staging = None
+    odirect = False
+    last_from_page_cache = None
 
     def __init__(self, path: Path, data_offset: int, n_bytes: int, *, config: Config | None = None,
                  file_id: tuple | None = None):
@@ -105,16 +157,7 @@ class Reader:
 
     def check_file(self) -> None:
         """Raise ReadError if the file was truncated, rewritten or replaced since the table was opened."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise ReadError(f"{self.path}: the file was removed after it was opened") from None
-        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if now != self.file_id:
-            what = ("replaced (another inode)" if now[:2] != self.file_id[:2] else
-                    f"resized from {self.file_id[2]} to {now[2]} bytes" if now[2] != self.file_id[2] else
-                    "modified (mtime changed)")
-            raise ReadError(f"{self.path}: the file was {what} since it was opened; reopen the table")
+        check_file(self.path, self.file_id)
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         raise NotImplementedError
@@ -353,6 +396,7 @@ class _FdReader(Reader):
     ring and the staging release themselves), with no reference cycle to wait for the cycle collector.
     """
 
+    overlaps_io = True
     merge_runs = True       # buffered exact-row reads: adjacent rows in one read (200,000 contiguous 90 B rows on
     #                         tmpfs, 4 native threads: 74 ms row by row, 19 ms in runs)
 

@@ -454,7 +454,7 @@ def cache_for(table) -> RowCache | None:
     budget = budget_for(table.config.cache_bytes, table.n_bytes)
     if budget <= 0:
         return None
-    key = _key(table, budget)
+    key = cache_key(table, budget)
     with _CACHES_LOCK:
         c = _CACHES.get(key)
         if c is not None:
@@ -520,8 +520,8 @@ def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
                 looked = (g, slots, None)
         if looked[2] is not None:
             reader.check_file()      # (as read_through's all-hits path: hits must not outlive a change)
-            table._io["cache_hits"] += rows.shape[0]
-            table._io["rows_from_cache"] += rows.shape[0]
+            table.io["cache_hits"] += rows.shape[0]
+            table.io["rows_from_cache"] += rows.shape[0]
             return out
     return read_through(table, reader, table.plan(rows), looked=looked and looked[:2], admit_page_cache=True)
 
@@ -529,7 +529,7 @@ def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
 def read_through(table, reader, plan, looked=None, admit_page_cache: bool = False,
                  io: dict | None = None) -> np.ndarray:
     """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
-    to the cache. Counts into table._io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
+    to the cache. Counts into table.io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
     already made (read_unique's), instead of a second one. admit_page_cache: offer rows the reader copied from the
     page cache too (read_unique: for a step of a few rows the per-call cost of the page-cache path, not the I/O, is
     what a hit saves).
@@ -540,16 +540,16 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
     readers.SPLIT_MIN): they are copied into out and admitted then. The cache lock is not held meanwhile, so
     another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
     still holds its row, and rows evicted since are read with the misses' reader afterwards (never seen in the
-    benches; tested). io: the counters to count into (default table._io; a prefetch counts apart, prefetch.py)."""
-    io = table._io if io is None else io
+    benches; tested). io: the counters to count into (default table.io; a prefetch counts apart, prefetch.py)."""
+    io = table.io if io is None else io
     U = plan.n_unique
     if U == 0:
         return np.empty((0, plan.row_bytes), np.uint8)
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
-    pc0 = getattr(reader, "rows_from_page_cache", 0)
+    pc0 = reader.rows_from_page_cache
     if cache is None:
         out = reader.read(plan)
-        _count_reader(io, reader, pc0, U)
+        count_reader(io, reader, pc0, U)
         return out
     with cache.lock:
         g, slots = looked if looked else (cache.gen, cache.lookup(plan.unique_rows))
@@ -566,9 +566,9 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
     miss = ~hit
     rows = plan.unique_rows[miss]
     if not nh:                       # every row missed: the reader's rows are the result
-        kw = {"during_io": lambda: cache.prefault(U)} if hasattr(reader, "during_io") else {}
+        kw = {"during_io": lambda: cache.prefault(U)} if reader.overlaps_io else {}
         fresh = reader.read(plan, **kw)
-        _count_reader(io, reader, pc0, U)
+        count_reader(io, reader, pc0, U)
         _admit(cache, reader, rows, fresh, slots[hit], g, admit_page_cache)
         return fresh
     out = np.empty((U, plan.row_bytes), np.uint8)
@@ -589,7 +589,7 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
         _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None,
                admit_page_cache)
     mplan = replan(plan, table.config, rows, table.align)
-    if hasattr(reader, "during_io"):
+    if reader.overlaps_io:
         reader.read(mplan, during_io=during_io, on_rows=on_rows)
     else:
         on_rows(0, rows.shape[0], reader.read(mplan))
@@ -599,7 +599,7 @@ def read_through(table, reader, plan, looked=None, admit_page_cache: bool = Fals
         n_stale = int(stale[0].sum())
         out[stale[0]] = reader.read(replan(plan, table.config, plan.unique_rows[stale[0]], table.align))
     io["rows_from_cache"] += nh - n_stale
-    _count_reader(io, reader, pc0, U - nh + n_stale)
+    count_reader(io, reader, pc0, U - nh + n_stale)
     return out
 
 
@@ -607,7 +607,7 @@ def _admit(cache: RowCache, reader, rows: np.ndarray, fresh: np.ndarray, protect
            page_cache: bool = False) -> None:
     """Offer rows just read to the cache: those the device delivered (a read's rows copied from the page cache
     are not admitted, unless page_cache: reader.last_from_page_cache, when it covers these rows)."""
-    pc = None if page_cache else getattr(reader, "last_from_page_cache", None)
+    pc = None if page_cache else reader.last_from_page_cache
     if pc is not None and pc.shape[0] == rows.shape[0]:
         rows, fresh = rows[~pc], fresh[~pc]
     with cache.lock:
@@ -630,14 +630,14 @@ def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out:
         return hit & (cache.slot_row[np.maximum(slots, 0)] != unique_rows)
 
 
-def _count_reader(io: dict, reader, pc0: int, n: int) -> int:
+def count_reader(io: dict, reader, pc0: int, n: int) -> int:
     """Count n rows a reader delivered into io: those it copied from the page cache (its rows_from_page_cache
     counter, pc0 before the read) and the rest from the device; returns the former. A buffered reader cannot
     tell the two apart: its rows count as rows_buffered."""
     if not reader.tells_source:
         io["rows_buffered"] += n
         return 0
-    pc = getattr(reader, "rows_from_page_cache", 0) - pc0
+    pc = reader.rows_from_page_cache - pc0
     io["rows_from_page_cache"] += pc
     io["rows_from_device"] += n - pc
     return pc
@@ -647,7 +647,7 @@ IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "r
                "cache_misses", "rows_prefetched")
 
 
-def _key(table, budget: int) -> tuple:
+def cache_key(table, budget: int) -> tuple:
     # the file's identity, where the table lies in it, and the budget (Tables of one file with different budgets
     # keep caches of their own instead of replacing each other's on every call)
     return str(table.path), table.file_id, table.data_offset, table.row_bytes, budget
@@ -655,7 +655,7 @@ def _key(table, budget: int) -> tuple:
 
 def _existing(table) -> RowCache | None:
     with _CACHES_LOCK:
-        return _CACHES.get(_key(table, budget_for(table.config.cache_bytes, table.n_bytes)))
+        return _CACHES.get(cache_key(table, budget_for(table.config.cache_bytes, table.n_bytes)))
 
 
 def _forget_in_child() -> None:
@@ -668,26 +668,16 @@ def _forget_in_child() -> None:
 forksafe.on_child(_forget_in_child)
 
 
-def table_stats(table) -> dict:
-    io = dict(table._io)
-    caches = [c for c in [_existing(table)] + [getattr(s, "cache", None) for s in table._sinks.values()] if c]
-    looked = io["cache_hits"] + io["cache_misses"]
+def stats(table, device_caches: list, bytes_requested: int) -> dict:
+    """Table.stats(): the table's counters, its file's row cache and the device caches' sizes."""
+    io = dict(table.io)
     main = _existing(table)
+    caches = [c for c in [main, *device_caches] if c]
+    looked = io["cache_hits"] + io["cache_misses"]
     io.update(hot_rows_loaded=main.hot_loaded if main else 0,
               hot_rows_file=str(hotrows.path_for(main.hot)) if main and main.hot else None)
     io.update(cache_hit_rate=io["cache_hits"] / looked if looked else 0.0,
               cache_bytes=sum(c.nbytes for c in caches),
               cache_budget_bytes=budget_for(table.config.cache_bytes, table.n_bytes),
-              bytes_requested=sum(getattr(r, "bytes_read", 0)
-                                  for r in [*table._readers.values(), *table._sinks.values()]))
+              bytes_requested=bytes_requested)
     return io
-
-
-def device_cache_args(table, backend: str) -> dict:
-    """DeviceSink keywords for a device-resident cache of this table (budget as for the host cache), or {}."""
-    budget = budget_for(table.config.cache_bytes, table.n_bytes)
-    if backend not in CACHED_BACKENDS or budget <= 0 or capacity_for(budget, table.row_bytes) == 0:
-        return {}
-    return {"cache": RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id, store=False,
-                              max_rows=table.n_rows),
-            "replan": table.plan, "io": table._io}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, forksafe, quants, rowcache
+from . import accel as accel_mod
+from . import arrays, devcache, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, TruncatedFileError,
@@ -18,7 +19,7 @@ from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, T
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows, replan
 from .prefetch import Prefetcher
-from .readers import GDS_ALIGN, HOST_READERS, Reader, default_align
+from .readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
 from .storage import filesystem
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class Table:
                 f"{self.path}: tensor {tensor!r} data [{self.data_offset}, {self.data_offset + self.n_bytes}) runs "
                 f"past the end of the file ({st.st_size} bytes)")
         self.file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.region = Region(self.path, self.data_offset, self.n_bytes, self.file_id)   # what every reader reads
         self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
@@ -119,8 +121,9 @@ class Table:
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self)                # ... and to use in a forked child
-        self._io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # see stats()
-        self._last_stream = _NO_GPU         # the stream handle of the last device fetch (another thread's may differ)
+        self.io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # where rows came from (counters; see stats())
+        self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
+        self._last_stream = _NO_GPU         # accel.key of the last device fetch's stream (another thread's may differ)
         self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
         self._fin = weakref.finalize(self, _release, self._readers, self._sinks, self._ahead)  # (never closed: frees)
 
@@ -194,7 +197,7 @@ class Table:
             return read(plan)
         reader.check_file()         # prefetched rows must not outlive a change of the file (as the cache's hits)
         have, data = got
-        self._io["rows_prefetched"] += data.shape[0]
+        self.io["rows_prefetched"] += data.shape[0]
         if have.all():
             return data
         out = np.empty((plan.n_unique, self.row_bytes), np.uint8)
@@ -211,10 +214,16 @@ class Table:
             if name not in HOST_READERS:
                 raise BackendError(f"backend {name!r} has no host reader in this version")
             log.info("%s: backend %s (%s)", self.path.name, name, why)
-            r = self._readers[name] = HOST_READERS[name](self.path, self.data_offset, self.n_bytes,
-                                                          config=self.config, file_id=self.file_id)
+            r = self._readers[name] = self.region.open(HOST_READERS[name], self.config)
             log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
+
+    @property
+    def accel(self):
+        """The device of this table's GPU path (accel.get(config.accel)), made on first use."""
+        if self._accel is None:
+            self._accel = accel_mod.get(self.config.accel)
+        return self._accel
 
     @_locked
     def fetch_device(self, plan: ReadPlan, backend: str = "auto", stream=None):
@@ -223,37 +232,47 @@ class Table:
         The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
         place; they are valid until the next fetch on this table, which first waits for `stream`.
         """
-        name, mode, why = self._device_choice(backend)
+        sink = self._device_sink(backend, stream)
+        return sink.fetch(plan, stream)
+
+    def _device_sink(self, backend: str, stream):
+        """The sink of `backend`'s device choice, once any other stream that read its staging is done."""
+        name, mode, why = self.device_choice(backend)
         key = f"{name}@{mode}"
         if key not in self._sinks:
             log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
-        handle = arrays.stream_ptr(stream)      # by handle: torch makes a new wrapper per current_stream() call
+        a = self.accel
+        handle = a.key(stream)
         if self._last_stream is not _NO_GPU and self._last_stream != handle:
-            arrays.cupy_stream(self._last_stream).synchronize()   # another stream may still read the staging
+            a.synchronize(a.current(self._last_stream))   # another stream may still read the staging
         self._last_stream = handle
-        return self._sink(name, mode).fetch(plan, stream)
+        return self._sink(name, mode)
 
-    def _device_choice(self, backend: str) -> tuple[str, str, str]:
-        """choose_device's answer for this table, asked once per backend (the one gds-or-direct decision)."""
+    def device_choice(self, backend: str = "auto") -> tuple[str, str, str]:
+        """(backend, destination mode, why) of rows that must end in GPU memory, asked once per backend (the one
+        gds-or-direct decision, backends.choose_device)."""
         if backend not in self._device_choices:
-            self._device_choices[backend] = choose_device(self, backend, self.config)
+            self._device_choices[backend] = choose_device(self, backend, self.config, state=self.accel.gds_state)
         return self._device_choices[backend]
 
     def _sink(self, name: str, mode: str):
         key = f"{name}@{mode}"
         if key not in self._sinks:
             from .device import DeviceSink, GdsReader
-            self._sinks[key] = (GdsReader(self.path, self.data_offset, self.n_bytes, config=self.config,
-                                          file_id=self.file_id) if mode == "gds" else
-                                DeviceSink(self._reader(name), mode, **rowcache.device_cache_args(self, name)))
+            a = self.accel
+            if mode == "gds":
+                self._sinks[key] = self.region.open(GdsReader, self.config, accel=a)
+            else:
+                dc = (devcache.acquire(self, a.dev_id(), a)
+                      if mode == "copy" and name in rowcache.CACHED_BACKENDS else None)
+                self._sinks[key] = DeviceSink(self._reader(name), mode, accel=a, table=self, cache=dc)
         return self._sinks[key]
 
-    def _gds_faster(self) -> tuple[bool, str]:
+    def gds_faster(self) -> tuple[bool, str]:
         """Time gds against direct + pinned copy on 512 random rows of this table, once (real GDS only)."""
         if self._gds_verdict is None:
             import time
 
-            import cupy as cp
             plan = self.plan(np.random.default_rng(0).integers(0, self.n_rows, min(512, self.n_rows)))
 
             def timed(sink) -> float:
@@ -261,38 +280,43 @@ class Table:
                 for _ in range(3):
                     a = time.perf_counter()
                     sink.fetch(plan)
-                    cp.cuda.get_current_stream().synchronize()
+                    self.accel.synchronize(None)
                     best = min(best, time.perf_counter() - a)
                 return best
             tg, td = timed(self._sink("gds", "gds")), timed(self._sink("direct", "copy"))
             self._gds_verdict = (tg < td, f"512 rows: gds {tg * 1e3:.2f} ms, direct {td * 1e3:.2f} ms")
         return self._gds_verdict
 
-    def _fetch_ids_device(self, ids, backend: str, stream):
-        """(plan, device staging, device row offsets) for GPU ids: planned on the host (one copy down)."""
-        import cupy as cp
-        _, mode, _ = self._device_choice(backend)
-        plan = self.plan(cp.asnumpy(arrays.to_cupy(ids)), align=self.gds_align if mode == "gds" else None)
-        return (plan, *self.fetch_device(plan, backend, stream))
+    def _fetch_ids_device(self, ids, backend: str, stream, host_ids=None):
+        """(plan, device staging, device row offsets) for device ids, planned on the host. The ids are copied
+        down on `stream` and the host waits for that copy, so every earlier consumer of the staging on `stream` is
+        done: the sink need not wait again (one synchronization per gather). host_ids: the caller's copy of the
+        ids' values, made on `stream` after its earlier work (then the gather makes no synchronization here)."""
+        if arrays.kind(ids) == "host-device" and self.accel.name != "host":
+            raise BackendError("HostAccel ids on a table whose Config.accel is not 'host'")
+        sink = self._device_sink(backend, stream)
+        host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
+        plan = self.plan(host, align=self.gds_align if self.device_choice(backend)[1] == "gds" else None)
+        return (plan, *sink.fetch(plan, stream, wait=False))
 
-    def _typical_window(self) -> int:
-        return -(-self.row_bytes // self.gds_align) * self.gds_align     # (the gds-or-direct window check)
-
+    @property
     def typical_window(self) -> int:
-        """Bytes of one row's aligned read window, the size the gds-or-direct choice is made for."""
-        return self._typical_window()
+        """Bytes of one row's window at the gds alignment (the gds-or-direct window check)."""
+        return -(-self.row_bytes // self.gds_align) * self.gds_align
 
     def readers(self) -> tuple[list, list]:
-        """(host readers, GPU destinations) this table has opened so far, in the order opened; each has .how."""
+        """(host readers, GPU destinations) this table has opened so far, in the order opened; each has .how and
+        .bytes_read."""
         return list(self._readers.values()), list(self._sinks.values())
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
         rows_buffered (a buffered reader's: page cache or device, it cannot tell), rows_prefetched (taken from a
         prefetch(): rows_from_device/rows_from_page_cache count them where the prefetch read them), cache_hits,
-        cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache holds now),
-        cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
-        st = rowcache.table_stats(self)
+        cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
+        caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
+        st = rowcache.stats(self, [s.cache for s in self._sinks.values() if s.cache is not None],
+                            sum(r.bytes_read for rs in self.readers() for r in rs))
         for ahead in self._ahead.values():
             for k, v in ahead.counts().items():
                 st[k] += v
@@ -309,7 +333,7 @@ class Table:
                               f"offset {plan.data_offset}, up to row {int(plan.unique_rows[-1])}); this table has "
                               f"{self.n_rows} rows of {self.row_bytes} B at offset {self.data_offset}: use t.plan(ids)")
         if self._last_stream is not _NO_GPU:     # the GPU may still read the staging this host read reuses
-            arrays.cupy_stream(self._last_stream).synchronize()
+            self.accel.synchronize(self.accel.current(self._last_stream))
             self._last_stream = _NO_GPU
         reader = self._reader(backend)
         return self._through(reader, plan, lambda p: rowcache.read_through(self, reader, p))  # prefetched, hits, read
@@ -323,7 +347,7 @@ class Table:
                               or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
             raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
         if self._last_stream is not _NO_GPU:     # (as read_plan)
-            arrays.cupy_stream(self._last_stream).synchronize()
+            self.accel.synchronize(self.accel.current(self._last_stream))
             self._last_stream = _NO_GPU
         reader = self._reader(backend)
         if not self._ahead:
@@ -337,13 +361,9 @@ class Table:
         numpy (or torch CPU) ids give host rows; cupy or torch CUDA ids give device rows of the same kind.
         """
         if arrays.is_device(ids):
-            import cupy as cp
             stream = arrays.launch_stream(stream, ids)
             plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
-            with arrays.cupy_stream(stream):
-                rows = staging[offs[:, None] + cp.arange(self.row_bytes)]
-                inv = cp.asarray(plan.inverse)
-                out = rows[inv].reshape(plan.shape + (self.row_bytes,))
+            out = self.accel.take_rows(staging, offs, plan.inverse, self.row_bytes, plan.shape, stream)
             return arrays.like(out, ids)
         if arrays.kind(ids) == "torch":
             import torch
@@ -351,17 +371,19 @@ class Table:
         plan = self.plan(ids)
         return self.read_plan(plan, backend)[plan.inverse].reshape(plan.shape + (self.row_bytes,))
 
-    def gather(self, ids, backend: str = "auto", dtype=np.float32, *, stream=None):
+    def gather(self, ids, backend: str = "auto", dtype=np.float32, *, stream=None, host_ids=None):
         """Dequantized rows: shape ids.shape + (row_elems,), exactly gguf.quants.dequantize(table)[ids].
 
         ids: integer numpy array (or torch CPU tensor) of any shape; the result is of the same kind.
         GPU flavour: cupy or torch CUDA ids give a result of the same kind on the same device, dequantized by the
         CUDA kernel launched on `stream` (bfloat16 comes back as uint16 bits for cupy, which has no bfloat16).
+        host_ids (GPU flavour): the ids' values already copied to the host on `stream` (the plan is made from
+        them, without a second copy down and its synchronization).
         """
         kind = arrays.kind(ids)
         name = arrays.dtype_name(dtype)
-        if kind in ("cupy", "torch-cuda"):
-            return self._gather_device(ids, backend, name, stream)
+        if arrays.is_device(ids):
+            return self._gather_device(ids, backend, name, stream, host_ids)
         if kind == "torch":
             out = self._gather_host(ids.numpy(), backend)
             import torch
@@ -370,16 +392,13 @@ class Table:
         return _cast_numpy(self._gather_host(ids, backend), name)
 
     @_locked                # the kernel is queued before another thread's fetch can overwrite the staging
-    def _gather_device(self, ids, backend: str, dtype: str, stream):
+    def _gather_device(self, ids, backend: str, dtype: str, stream, host_ids=None):
         """GPU flavour: rows read into GPU memory (see fetch_device), dequantized and scattered by the CUDA kernel
         on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
-        import cupy as cp
-        from . import dequant_gpu
         stream = arrays.launch_stream(stream, ids)      # one stream for the copies and the kernel
-        plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
-        with arrays.cupy_stream(stream):
-            inv = arrays.like(cp.asarray(plan.inverse.reshape(plan.shape)), ids)
-        return dequant_gpu.gather_rows(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
+        plan, staging, offs = self._fetch_ids_device(ids, backend, stream, host_ids)
+        inv = self.accel.ids_like(plan.inverse.reshape(plan.shape), ids, stream)
+        return self.accel.gather(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
 
     def _gather_host(self, ids, backend: str) -> np.ndarray:
         return self.gather_plan(self.plan(ids), backend)

@@ -43,6 +43,7 @@ class FakeGds:
     """cuFile's stand-in: reads a plan's O_DIRECT windows into the slot's region of the (numpy) pool."""
 
     tells_source = True      # as GdsReader: every row it delivers came from the file
+    rows_from_page_cache = 0
 
     def __init__(self, direct: DirectReader, pool: np.ndarray, region: int):
         self.direct, self.pool, self.region = direct, pool, region
@@ -50,8 +51,7 @@ class FakeGds:
     def check_file(self):
         self.direct.check_file()
 
-    def fetch(self, plan, wait=True):
-        assert wait is False
+    def read_windows(self, plan):
         staging, offs = self.direct.fetch(plan)
         np.testing.assert_array_equal(offs, plan.row_staging)
         self.pool[self.region:self.region + plan.window_bytes] = staging[:plan.window_bytes]
@@ -283,157 +283,3 @@ def test_budget_is_the_host_caches(table):
         finally:
             devcache.release(dc)
             devcache.drop_all()
-
-
-# -- the real GpuPrefill host half (_stage, scrub) under schedule.run_ubatches, against a played device ----------
-
-class PlayedDevice:
-    """The GPU as GpuPrefill._step_body orders it, one ubatch behind the host: a step runs once it is launched and
-    released and the host has released the next ubatch (or drains); it reads the slot's pinned buffers then."""
-
-    def __init__(self, p, pool, raw, checked):
-        self.p, self.pool, self.raw, self.checked = p, pool, raw, checked
-        self.k, self.launched, self.released, self.scrubbed, self.played = 0, {}, set(), set(), set()
-
-    def slot_free(self, k, s):
-        self.k = k
-
-    def launch(self, n, s):
-        self.launched[self.k] = (n, s)
-
-    def release(self, s):
-        self.released.add(self.k)
-        self._play(upto=self.k)
-
-    def scrub(self, s):
-        self.p.scrub(s)
-        self.scrubbed.add(self.k)
-
-    def done(self, k, s):
-        pass
-
-    def drain(self):
-        self._play(upto=self.k + 1)
-
-    def rearm(self):
-        pass
-
-    def _play(self, upto):
-        for k in sorted(self.launched):
-            if k < upto and k in self.released and k not in self.played:
-                self.played.add(k)
-                self._step(k, *self.launched[k])
-
-    def _step(self, k, n, s):
-        p, pool, rb = self.p, self.pool, self.p.t.row_bytes
-        ctl = p.ctl_pin[s].numpy().copy()
-        adm = p.adm_pin[s].numpy().copy()
-        N = n * p.R
-        offs, inv = p.offs_pin[s].numpy()[:N].copy(), p.inv_pin[s].numpy()[:N].copy()
-        tok = p.tokens_pin[s].numpy()[:n].copy()
-        w = int(ctl[0])
-        if p.mode == "copy":
-            pool[p.dc.fresh_base:p.dc.fresh_base + 8 * w] = p.fresh_host[s][:8 * w]
-        rows = pool[offs[inv][:, None] + np.arange(rb)]
-        a = int(ctl[1])
-        if a:
-            pool[adm[p.N:p.N + a][:, None] + np.arange(rb)] = pool[adm[:a][:, None] + np.arange(rb)]
-        if k not in self.scrubbed:
-            self.checked.append(bool((rows == self.raw[tok]).all()))
-
-
-@pytest.mark.parametrize("mode", ["copy", "gds"])
-@pytest.mark.parametrize("clear", [True, False], ids=["cleared", "not-cleared"])
-def test_gpu_prefill_host_half_gives_exact_rows_across_runs_and_errors(table, mode, clear):
-    """GpuPrefill's own _stage and scrub, driven by run_ubatches (overlap for copy, staged for gds), three prompts
-    through one cache, an error after a stage in the second: every played ubatch is exact when run() clears the
-    index on the error; without the clear (the check can fail) some later ubatch is wrong."""
-    torch = pytest.importorskip("torch")
-    from gds_gather import schedule
-    from gds_gather.pipeline import GpuPrefill, Stats
-    path, raw = table
-    budget = 30_000
-    with gg.open_table(path, config=CFG.with_(cache_bytes=budget)) as t:
-        p = GpuPrefill.__new__(GpuPrefill)
-        UB = 64
-        p.t, p.mapper, p.N, p.R, p.mode, p.stats = t, (lambda tok: tok), UB, 1, mode, Stats()
-        p.capacity = [None, None]
-        p.align = t.gds_align if mode == "gds" else t.align
-        p.dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=budget, store=False,
-                                                max_rows=N_ROWS), 0)
-        nb = -(-UB * t.row_bytes // 8) * 8
-        step = -(-(UB + 2) * 2 * 4096 // 4096) * 4096
-        pool = np.zeros(p.dc.fresh_base + max(nb, 2 * step), np.uint8)
-        z = lambda n, dt=torch.int64: torch.zeros(n, dtype=dt)        # noqa: E731
-        p.ctl_pin, p.adm_pin = [z(2) for _ in range(2)], [z(2 * UB) for _ in range(2)]
-        p.tokens_pin, p.offs_pin, p.inv_pin = [z(UB) for _ in range(2)], [z(UB) for _ in range(2)], \
-            [z(UB, torch.int32) for _ in range(2)]
-        direct = [DirectReader(t.path, t.data_offset, t.n_bytes, config=t.config, file_id=t.file_id)
-                  for _ in range(2)]
-        if mode == "gds":
-            p.region = [p.dc.fresh_base + s * step for s in range(2)]
-            p.readers = [FakeGds(r, pool, p.region[s]) for s, r in enumerate(direct)]
-        else:
-            p.region = [None, None]
-            p.fresh_host = [np.zeros(nb, np.uint8) for _ in range(2)]
-            p.readers = direct
-        rng = np.random.default_rng(0)
-        checked, sched = [], "staged" if mode == "gds" else "overlap"
-        try:
-            for run in range(3):
-                toks = np.minimum(rng.zipf(1.3, UB * 7) - 1, N_ROWS - 1).astype(np.int64)
-                ub = [toks[k:k + UB] for k in range(0, toks.size, UB)]
-                calls = [0]
-
-                def stage(tok, s):
-                    p._stage(tok, s)
-                    calls[0] += 1
-                    if run == 1 and calls[0] == 3:
-                        raise RuntimeError("injected after a stage")
-                try:
-                    schedule.run_ubatches(ub, stage, PlayedDevice(p, pool, raw, checked), sched)
-                except RuntimeError:
-                    if clear:
-                        p.dc.clear()        # what GpuPrefill.run does
-        finally:
-            for r in direct:
-                r.close()
-        assert len(checked) >= 14 and t._io["cache_hits"] > 0
-        assert 0 < p.stats.index_seconds < 60 and 0 < p.stats.io_seconds < 60     # timers, not counts
-        assert all(checked) if clear else not all(checked)
-
-
-@pytest.mark.parametrize("queued", [False, True])
-def test_gpu_prefill_close_keeps_staging_while_work_is_queued(queued):
-    """GpuPrefill.close never blocks: with work still queued on its stream the readers (whose staging that work
-    may read) are not closed and the device row cache is discarded; with nothing queued both go back."""
-    from gds_gather import pipeline
-    from gds_gather.pipeline import GpuPrefill
-
-    class Stream:
-        def query(self):
-            return not queued
-
-    class Reader:
-        closed = False
-
-        def close(self):
-            self.closed = True
-
-    p = GpuPrefill.__new__(GpuPrefill)
-    readers = [Reader(), Reader()]
-    p.stream, p.readers, p.graphs = Stream(), list(readers), {}
-    p.dc = devcache.DeviceRowCache(RowCache(row_bytes=8, budget=4096, store=False, max_rows=100), 0)
-    p.dc.key = ("test-close", queued)
-    devcache._POOLS[p.dc.key] = dc = p.dc
-    dc.in_use = True
-    try:
-        p.close()
-        assert p.closed and p.readers == [] and p.dc is None
-        assert [r.closed for r in readers] == [not queued] * 2
-        assert (dc.key in devcache._POOLS) == (not queued) and (dc.in_use is False or queued)
-        assert (readers in pipeline._KEPT_WHILE_QUEUED) == queued
-    finally:
-        devcache._POOLS.pop(dc.key, None)
-        if readers in pipeline._KEPT_WHILE_QUEUED:
-            pipeline._KEPT_WHILE_QUEUED.remove(readers)

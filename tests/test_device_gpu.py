@@ -140,14 +140,14 @@ with gg.open_table(path, config=cfg) as t:
     pipe._stage = orig                          # the GPU is usable again: a whole run completes
     res = pipe.run(tokens, collect=True)
     print("OK", len(res["outputs"]), pipe.flags.host.tolist() if pipe.flags is not None else [0, 0], flush=True)
-    if pipe.capacity[0] is not None:            # a plan larger than the captured staging is refused
-        pipe.capacity = [1, 1]
+    if pipe.dest.capacity[0] is not None:       # a plan larger than the captured staging is refused
+        pipe.dest.capacity = [1, 1]
         try:
             pipe.run(tokens)
             print("NOT REFUSED")
         except StagingCapacityError as e:
             print("REFUSED", str(e)[:60])
-        pipe.capacity = [None, None]
+        pipe.dest.capacity = [None, None]
         print("AGAIN", pipe.run(tokens)["ubatches"], flush=True)
     pipe.close()
 print("DONE", flush=True)

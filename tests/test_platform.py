@@ -104,7 +104,7 @@ def test_choose_device_times_only_where_real_gds_exists(monkeypatch, table, kind
     def timed():
         asked.append(1)
         return verdict, "512 rows: gds 1.00 ms, direct 2.00 ms (injected)"
-    monkeypatch.setattr(table, "_gds_faster", timed)
+    monkeypatch.setattr(table, "gds_faster", timed)
     name, mode, why = backends.choose_device(table, "auto")
     assert (name, mode) == want, why
     assert asked == ([1] if kind == "discrete" and gds[1] else [])      # timed only with real GDS
@@ -132,7 +132,7 @@ def test_fetch_device_asks_the_same_decision(monkeypatch, table):
     tbl = importlib.import_module("gds_gather.table")
     seen = []
 
-    def fake_choose(t, backend, cfg):
+    def fake_choose(t, backend, cfg, state=None):
         seen.append((t, backend))
         raise gg.BackendError("stop here (injected)")
     monkeypatch.setattr(tbl, "choose_device", fake_choose)

@@ -193,5 +193,5 @@ def test_readers_and_typical_window_are_public(small_table):
         host, dev = t.readers()
         assert [r.name for r in host] == ["pread", "mmap"] and dev == [] and all(r.how for r in host)
         assert sum(r.bytes_read for r in host) == t.stats()["bytes_requested"] == 4 * t.row_bytes
-        w = t.typical_window()
+        w = t.typical_window
         assert w >= t.row_bytes and w % t.gds_align == 0 and w - t.row_bytes < t.gds_align

@@ -375,7 +375,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         trace, desc = _trace(t, a)
         data = t.path                       # the file holding the table (a shard of a split model)
         geo = dict(n_rows=t.n_rows, row_bytes=t.row_bytes, qtype=t.qtype.name, align=t.align, arch=t.arch,
-                   table_bytes=t.n_bytes, window=t.typical_window())
+                   table_bytes=t.n_bytes, window=t.typical_window)
     n_ids = sum(x.size for x in trace)
     passes = _passes(a)
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
