@@ -179,18 +179,6 @@ def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarra
     return Staged(offs, words, src, dst, nh, pc, U - nh - pc)
 
 
-def emulate(pool: np.ndarray, st: Staged, fresh: np.ndarray | None, fresh_base: int, row_bytes: int) -> np.ndarray:
-    """What the device step does with `st`, in numpy (tests): copy the fresh words up, gather every unique row
-    through the offsets, then copy the admitted rows into their slots. Returns uint8 [U, row_bytes]."""
-    if st.fresh_words:
-        nb = 8 * st.fresh_words
-        pool[fresh_base:fresh_base + nb] = fresh[:nb]
-    rows = pool[st.offsets[:, None] + np.arange(row_bytes)]
-    if st.adm_src.shape[0]:
-        pool[st.adm_dst[:, None] + np.arange(row_bytes)] = pool[st.adm_src[:, None] + np.arange(row_bytes)]
-    return rows
-
-
 # -- the device side -------------------------------------------------------------------------------------------
 
 @functools.cache

@@ -1,7 +1,7 @@
 """The device-resident row cache of the GPU prefill (gds_gather/devcache.py), on the CPU.
 
 The host half (`devcache.stage`: lookup, reads of the misses, admissions) is the code the GPU prefill runs; the
-device half is played by `devcache.emulate` on a numpy pool, in stream order and one ubatch behind the host as
+device half is played by `emulate` (below) on a numpy pool, in stream order and one ubatch behind the host as
 the double-buffered prefill runs it. Every ubatch's rows must be the file's bytes, for any batches, budgets and
 both destinations (copy: misses packed in a host buffer; gds: misses' windows read into the slot's region). The
 copy kernels' source is built and run as host C++ and compiled for sm_90 and two AMD targets.
@@ -28,6 +28,20 @@ from gds_gather.rowcache import RowCache
 N_ROWS = 300
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CFG = gg.Config(page_cache_reads=0)
+
+
+def emulate(pool: np.ndarray, st: devcache.Staged, fresh: np.ndarray | None, fresh_base: int,
+            row_bytes: int) -> np.ndarray:
+    """What the device step does with `st`, in numpy (tests): copy the fresh words up, gather every unique row
+    through the offsets, then copy the admitted rows into their slots. Returns uint8 [U, row_bytes]."""
+    if st.fresh_words:
+        nb = 8 * st.fresh_words
+        pool[fresh_base:fresh_base + nb] = fresh[:nb]
+    rows = pool[st.offsets[:, None] + np.arange(row_bytes)]
+    if st.adm_src.shape[0]:
+        pool[st.adm_dst[:, None] + np.arange(row_bytes)] = pool[st.adm_src[:, None] + np.arange(row_bytes)]
+    return rows
+
 
 
 @pytest.fixture(scope="module", params=[(Q.IQ4_NL, 160), (Q.Q5_K, 512)], ids=["iq4nl-90B", "q5k-352B"])
@@ -111,7 +125,7 @@ def run_batches(path, raw, batches, budget, mode, lag=1, fail_at=None):
 
 def _device(item, pool, fresh, dc, raw, rb):
     plan, got, s = item
-    rows = devcache.emulate(pool, got, fresh[s], dc.fresh_base, rb)
+    rows = emulate(pool, got, fresh[s], dc.fresh_base, rb)
     np.testing.assert_array_equal(rows, raw[plan.unique_rows])
     used = dc.index.slot_row[:dc.index.n_used]
     assert np.unique(used).size == used.size
@@ -157,10 +171,10 @@ def test_the_emulated_device_catches_a_missed_admission(table):
         assert first.adm_src.shape[0] == 40 and first.fresh_words == -(-40 * t.row_bytes // 8)
         first.adm_src = first.adm_src[:0]               # the device "forgets" the admissions
         first.adm_dst = first.adm_dst[:0]
-        devcache.emulate(pool, first, fresh, dc.fresh_base, t.row_bytes)
+        emulate(pool, first, fresh, dc.fresh_base, t.row_bytes)
         again = devcache.stage(dc, t, r, t.plan(ids), fresh=fresh)
         assert again.hits == 40 and again.fresh_words == 0
-        rows = devcache.emulate(pool, again, fresh, dc.fresh_base, t.row_bytes)
+        rows = emulate(pool, again, fresh, dc.fresh_base, t.row_bytes)
         assert not np.array_equal(rows, raw[ids])
 
 
