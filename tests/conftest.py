@@ -124,6 +124,24 @@ def patch_tensor_info(path, name=PLE, ne0: int | None = None, type_id: int | Non
             f.write(struct.pack("<I", type_id))
 
 
+def table_rows(path, n_rows: int, seed: int, qtype=Q.IQ4_NL, width: int = 160):
+    """A table written at path: (path, its raw rows as gguf's reader sees them, gguf's dequantization of them)."""
+    write_gguf(path, valid_rows(qtype, n_rows, width, seed=seed), qtype)
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == PLE)
+    return path, np.array(t.data).view(np.uint8).reshape(n_rows, -1), reference(path)
+
+
+@pytest.fixture
+def bench_sandbox(tmp_path, monkeypatch):
+    """A bench test: the cache directory is the test's own, and dropping the machine's page cache fails."""
+    from gds_gather import measure
+    monkeypatch.setenv("GDS_GATHER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def refuse():
+        pytest.fail("measure.drop_caches() was called without --drop-caches")
+    monkeypatch.setattr(measure, "drop_caches", refuse)
+
+
 @pytest.fixture
 def small_table(tmp_path):
     """A 300-row IQ4_NL table of width 160 (90 B rows; several straddle 4 KiB blocks)."""
@@ -136,4 +154,4 @@ def ggufs():
     """The helpers above, for test modules (pytest's importlib mode makes conftest unimportable)."""
     from types import SimpleNamespace
     return SimpleNamespace(PLE=PLE, write=write_gguf, rows=valid_rows, reference=reference, width=width_for,
-                           patch=patch_tensor_info, QUANTIZABLE=QUANTIZABLE)
+                           patch=patch_tensor_info, QUANTIZABLE=QUANTIZABLE, table=table_rows)

@@ -12,10 +12,7 @@ from gds_gather import benches, measure
 from gds_gather.benches.report import HOST_BACKENDS
 
 
-@pytest.fixture(autouse=True)
-def no_system_drop(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDS_GATHER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(measure, "drop_caches", lambda: pytest.fail("drop_caches without --drop-caches"))
+pytestmark = pytest.mark.usefixtures("bench_sandbox")
 
 
 @pytest.fixture(scope="module")

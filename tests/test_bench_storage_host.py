@@ -21,10 +21,7 @@ from gds_gather.errors import ReadError
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def no_system_drop(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDS_GATHER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(measure, "drop_caches", lambda: pytest.fail("drop_caches without --drop-caches"))
+pytestmark = pytest.mark.usefixtures("bench_sandbox")
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-@pytest.fixture(autouse=True)
-def no_system_drop(tmp_path, monkeypatch):
-    """Every bench test: the cache directory is the test's own, and dropping the machine's page cache fails."""
-    monkeypatch.setenv("GDS_GATHER_CACHE_DIR", str(tmp_path / "cache"))
-
-    def refuse():
-        pytest.fail("measure.drop_caches() was called without --drop-caches")
-    monkeypatch.setattr(measure, "drop_caches", refuse)
+pytestmark = pytest.mark.usefixtures("bench_sandbox")
 
 
 def on_block_device(path) -> bool:

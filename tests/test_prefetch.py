@@ -22,11 +22,7 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 @pytest.fixture(scope="module")
 def table(tmp_path_factory, ggufs):
     """(path, raw rows as the file holds them, gguf's dequantization of the table)."""
-    path = ggufs.write(tmp_path_factory.mktemp("pf") / "pf.gguf", ggufs.rows(Q.IQ4_NL, N_ROWS, 160, seed=5),
-                       Q.IQ4_NL)
-    with gg.open_table(path) as t:
-        raw = np.fromfile(path, np.uint8, t.n_bytes, offset=t.data_offset).reshape(N_ROWS, t.row_bytes)
-    return path, raw, ggufs.reference(path)
+    return ggufs.table(tmp_path_factory.mktemp("pf") / "pf.gguf", N_ROWS, seed=5)
 
 
 @pytest.fixture(autouse=True)
