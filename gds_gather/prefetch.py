@@ -36,7 +36,7 @@ class Prefetcher:
         self._new_reader = new_reader
         self.readers: list = []
         self.jobs: list[tuple[np.ndarray, Future]] = []     # (sorted rows being read, its future), oldest first
-        self.done: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted rows, their bytes) not yet taken, oldest first
+        self.done: list = []     # (sorted rows, their bytes, bool: not taken yet) of finished ones, oldest first
         self.io = dict.fromkeys(COUNTED, 0)                   # what finished prefetches read (Table.stats adds it)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="gds-gather-prefetch")
@@ -67,7 +67,7 @@ class Prefetcher:
         if res is not None:         # the page cache's rows: the read copies them (no I/O to overlap)
             missing = missing[~res]
         with self.lock:
-            for r in [r for r, _ in self.jobs] + [r for r, _ in self.done]:
+            for r in [r for r, _ in self.jobs] + [r[left] for r, _, left in self.done]:
                 if missing.shape[0] and r.shape[0]:
                     missing = missing[~np.isin(missing, r, assume_unique=True)]
             if not missing.shape[0] or sum(not f.done() for _, f in self.jobs) >= DEPTH:
@@ -84,30 +84,34 @@ class Prefetcher:
 
     def take(self, rows: np.ndarray):
         """The prefetched bytes of any of `rows` (sorted, unique), waiting for the prefetches reading them:
-        (bool [len(rows)]: rows prefetched, uint8 [k, row_bytes]: their bytes in order), or None. A prefetch that
-        failed is logged and forgotten: the read that needs its rows reads them itself (and meets the error itself
-        if it persists)."""
+        (bool [len(rows)]: rows prefetched, uint8 [k, row_bytes]: their bytes in order), or None. A row is taken
+        once. A prefetch that failed is logged and forgotten: the read that needs its rows reads them itself (and
+        meets the error itself if it persists)."""
         with self.lock:
             self._collect(rows)
             if not self.done or not rows.shape[0]:
                 return None
             have = np.zeros(rows.shape[0], bool)
-            parts = []
-            for i, (r, data) in enumerate(self.done):
+            parts = []                               # (positions in rows, that entry's bytes at them)
+            for r, data, left in self.done:
                 pos = np.searchsorted(r, rows)
-                hit = (pos < r.shape[0]) & (r[np.minimum(pos, r.shape[0] - 1)] == rows) & ~have
+                pos_c = np.minimum(pos, r.shape[0] - 1)
+                hit = (pos < r.shape[0]) & (r[pos_c] == rows) & left[pos_c] & ~have
                 if hit.any():
                     have |= hit
-                    parts.append((np.flatnonzero(hit), data[pos[hit]]))
-                    left = np.ones(r.shape[0], bool)
-                    left[pos[hit]] = False
-                    self.done[i] = (r[left], data[left])     # a row is taken once
-            self.done = [d for d in self.done if d[0].shape[0]][-KEEP:]
+                    at = pos[hit]
+                    left[at] = False
+                    parts.append((hit, data, at))
+            self.done = [d for d in self.done if d[2].any()][-KEEP:]
         if not parts:
             return None
-        order = np.concatenate([p for p, _ in parts])
-        out = np.concatenate([d for _, d in parts])
-        return have, out[np.argsort(order, kind="stable")]
+        if len(parts) == 1 and parts[0][2].shape[0] == parts[0][1].shape[0]:
+            return have, parts[0][1]                 # one whole prefetch, in order: its bytes as they are
+        out = np.empty((int(have.sum()), self.table.row_bytes), np.uint8)
+        rank = np.cumsum(have) - 1
+        for hit, data, at in parts:
+            out[rank[hit]] = data[at]
+        return have, out
 
     def _collect(self, rows: np.ndarray) -> None:
         """Wait for the in-flight prefetches of any of `rows`; move every finished one to self.done (under lock)."""
@@ -126,7 +130,7 @@ class Prefetcher:
                 continue
             for k in COUNTED:
                 self.io[k] += io[k]
-            self.done.append((r, data))
+            self.done.append((r, data, np.ones(r.shape[0], bool)))
         self.jobs = keep
 
     def counts(self) -> dict:

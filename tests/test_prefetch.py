@@ -47,7 +47,7 @@ def test_any_prefetches_and_reads_return_the_files_rows(table, steps, budget):
     path, raw, ref = table
     rowcache.drop_all()
     asked = prefetched = 0      # unique rows the reads asked for; rows the prefetches started reading
-    with gg.open_table(path, config=gg.Config(cache_bytes=budget, page_cache_reads=0)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=budget, page_cache_reads=0, prefetch=1)) as t:
         for op, ids in steps:
             ids = np.array(ids, np.int64)
             if op == "prefetch":
@@ -76,7 +76,7 @@ def test_any_prefetches_and_reads_return_the_files_rows(table, steps, budget):
 def test_prefetched_rows_are_taken_and_counted_once(table):
     path, raw, _ = table
     a, b = np.arange(0, 200, 2), np.arange(0, 400, 4)     # 50 rows in both
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0, prefetch=1)) as t:
         assert t.prefetch(b, "direct") == b.size           # nothing cached yet: all of it
         assert t.prefetch(b, "direct") == 0                # already being read (or read): nothing new
         np.testing.assert_array_equal(t.read_rows(a, "direct"), raw[a])
@@ -94,23 +94,23 @@ def test_prefetched_rows_are_taken_and_counted_once(table):
 def test_baselines_cache_off_and_the_switch_prefetch_nothing(table):
     path, raw, _ = table
     ids = np.arange(0, N_ROWS, 3)
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, prefetch=1)) as t:
         for b in ("pread", "mmap", "readahead", "resident"):
             assert t.prefetch(ids, b) == 0
-    with gg.open_table(path, config=gg.Config(cache_bytes=0)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=0, prefetch=1)) as t:
         assert t.prefetch(ids, "direct") == 0
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, prefetch=0)) as t:
-        assert t.prefetch(ids, "direct") == 0
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:      # off by default
+        assert gg.Config().prefetch == 0 and t.prefetch(ids, "direct") == 0
         assert t.stats()["rows_prefetched"] == 0
-    assert gg.Config.from_env({"GDS_GATHER_PREFETCH": "0"}).prefetch == 0
+    assert gg.Config.from_env({"GDS_GATHER_PREFETCH": "1"}).prefetch == 1
     with pytest.raises(ValueError, match="GDS_GATHER_PREFETCH"):
         gg.Config(prefetch=2)
 
 
 def test_bad_ids_and_a_closed_table_are_refused(table):
     path, _, _ = table
-    t = gg.open_table(path, config=gg.Config(cache_bytes=1 << 20))
+    t = gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, prefetch=1))
     for bad in (np.array([0, N_ROWS]), np.array([-1, 3]), np.array([0.5, 1.0])):
         with pytest.raises(gg.BadIdsError):
             t.prefetch(bad, "direct")
@@ -124,7 +124,7 @@ def test_a_file_changed_after_a_prefetch_is_refused_not_served(tmp_path, ggufs):
     rows_a = ggufs.rows(Q.IQ4_NL, 50, 160, seed=1)
     path = ggufs.write(tmp_path / "c.gguf", rows_a, Q.IQ4_NL)
     ids = np.array([1, 2, 3])
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0, prefetch=1)) as t:
         assert t.prefetch(ids, "direct") == 3
         t.stats()                                   # (collects the finished prefetch)
         st_ = os.stat(path)
@@ -140,7 +140,7 @@ def test_a_failed_prefetch_costs_only_the_read(table, monkeypatch, caplog):
     def broken(self, reader, rows):
         raise gg.ReadError("injected: I/O error")
     monkeypatch.setattr(prefetch.Prefetcher, "_read", broken)
-    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0, prefetch=1)) as t:
         assert t.prefetch(ids, "direct") == ids.size
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         s = t.stats()
@@ -153,8 +153,28 @@ def test_close_waits_for_prefetches_in_flight(table):
     def threads():
         return [th for th in threading.enumerate() if th.name.startswith("gds-gather-prefetch")]
     before = len(threads())
-    t = gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0))
+    t = gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0, prefetch=1))
     t.prefetch(np.arange(0, N_ROWS, 2), "direct")
     assert len(threads()) == before + prefetch.DEPTH
     t.close()
     assert len(threads()) == before
+
+
+def test_the_cpu_prefill_with_prefetch_gives_the_same_rows(tmp_path):
+    """CpuPrefill hands each next ubatch to prefetch (Config.prefetch=1): the per-layer rows equal those of the
+    prefill without it, and its reads are taken from the prefetches."""
+    from gds_gather.model import write_model
+    from gds_gather.pipeline import CpuPrefill
+    from gds_gather.prefill import RowMapper
+    path = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
+    tokens = np.random.default_rng(3).integers(0, 5000, 700)
+    outs = {}
+    for on in (0, 1):
+        rowcache.drop_all()
+        with gg.open_table(path, config=gg.Config(cache_bytes=1 << 22, page_cache_reads=0, prefetch=on)) as t:
+            res = CpuPrefill(t, RowMapper(t), backend="direct", ubatch=128, trunk="none").run(tokens, collect=True)
+            outs[on] = np.concatenate([o[0].numpy() for o in res["outputs"]])
+            s = t.stats()
+            assert (s["rows_prefetched"] > 0) == bool(on)
+            assert res["bytes_read"] == s["bytes_requested"] > 0
+    np.testing.assert_array_equal(outs[0], outs[1])

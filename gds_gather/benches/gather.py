@@ -74,9 +74,9 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                                          "GDS_GATHER_QUEUE_DEPTH or 256)")
     p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="direct reads one batch at a time like the baselines (default: the bench hands it the next "
-                        "batch's ids first, Table.prefetch, as a prefill does)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="hand direct the next batch's ids before each read (Table.prefetch with Config.prefetch=1, "
+                        "as a prefill does); default: every backend reads one batch at a time")
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -558,7 +558,7 @@ def run_gather(a, cfg: Config) -> dict:
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
     # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
-    cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=0 if a.no_prefetch else None)
+    cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=1 if a.prefetch else None)
     cfg, cache_note = apply_cache_option(cfg, a.cache)
     made = data_dir(a, cfg)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else default_backends(cfg)
@@ -577,10 +577,9 @@ def run_gather(a, cfg: Config) -> dict:
             else:
                 raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
     facts = bench_facts(tables[0][1], cfg)
-    ahead = ("direct is handed the next batch's ids before each read (Table.prefetch, as a prefill does; "
-             "--no-prefetch: off)" if cfg.prefetch else "no prefetch (--no-prefetch): every backend reads one "
-             "batch at a time")
-    print_header("gather", facts, [cold_method(a), cache_note, ahead], quick=a.quick)
+    ahead = ("direct is handed the next batch's ids before each read (Table.prefetch, Config.prefetch=1)"
+             if cfg.prefetch else "")
+    print_header("gather", facts, [cold_method(a), cache_note] + ([ahead] if ahead else []), quick=a.quick)
     print(fit(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median "
               f"rows/s); MiB requested = what the readers asked for, delivered = the bytes counter above, device = "
               f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
