@@ -139,10 +139,8 @@ class GpuPrefill:
         self.stream = a.stream()
         self.trunk = None if trunk == "none" else _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
         self.trunk_kind = trunk
-        # kernel geometry: gemma writes [n_layer, T, per_layer] scaled by sqrt(per_layer); qwen4exp [T*16, 160]
-        self.gemma = mapper.gemma
-        self.kargs = (dict(layout="per_layer", n_layer=mapper.n_layer, scale=mapper.row_scale) if self.gemma
-                      else dict(layout="flat"))
+        self.family = mapper.family       # the kernel's layout and the trunk's rows (family.py)
+        self.kargs = self.family.kernel_args()
         self.tokens_pin = [a.pinned(ubatch, torch.int64) for _ in range(2)]
         self.inv_pin = [a.pinned(self.N, torch.int32) for _ in range(2)]
         self.tokens_d = a.zeros(ubatch, torch.int64)
@@ -207,7 +205,7 @@ class GpuPrefill:
             return rows, None
         tok = self.tokens_d[:n]
         h0 = self.trunk.embed(tok)
-        ple = self.trunk.ple_inputs(rows if self.gemma else rows.view(n, -1), h0)
+        ple = self.trunk.ple_inputs(self.family.trunk_rows(rows, n), h0)
         return ple, self.trunk(tok, ple)
 
     def _graph(self, n: int, s: int):

@@ -46,7 +46,6 @@ class RowMapper:
         self.arch, self.n_rows = table.arch, table.n_rows
         self.n_vocab, self.reserved, self.rows_per_token = f.n_vocab, f.reserved, f.rows_per_token
         self.n_layer, self.per_layer, self.row_scale = f.n_layer, f.per_layer, f.row_scale
-        self.gemma = f.split_per_layer      # GpuPrefill's name for it (family.kernel_args / trunk_rows replace it)
         self.prev = None
         self._meta = table.reader
         # the model's own tokenizer when the first shard carries tokenizer.ggml.tokens, else text.py's word level

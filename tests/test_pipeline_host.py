@@ -59,7 +59,7 @@ def _cpu(t, tok, trunk="none"):
     for rows, _ in outs:
         n = rows.shape[0] // m.rows_per_token
         res.append(((rows.view(n, m.n_layer, m.per_layer) * m.row_scale).permute(1, 0, 2).contiguous()
-                    if m.gemma else rows, None))
+                    if m.family.split_per_layer else rows, None))
     return res
 
 
