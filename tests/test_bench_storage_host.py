@@ -2,7 +2,8 @@
 paths (O_DIRECT refused, no io_uring, a failing read: the error, every fd closed), the made file, the argument
 checks and the GPU paths' skip reasons on a machine forced to a GPU platform (no GPU here: the reasons are real).
 
-The cpu-gpu and gpu-direct transfers themselves (cupy, KvikIO) run in bench/gpu_check.sh."""
+The cpu-gpu and gpu-direct transfers run here through accel.HostAccel (the same worker code: deferred streams, pread
+for cuFile), and on the GPU (cupy, KvikIO) in bench/gpu_check.sh."""
 from __future__ import annotations
 
 import errno
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from gds_gather import benches, measure, uring
+from gds_gather.accel import HostAccel
 from gds_gather.benches import storage as st
 from gds_gather.errors import ReadError
 
@@ -185,3 +187,98 @@ def test_plot_of_nothing_measured_is_refused(tmp_path, monkeypatch):
         benches.storage_main(["--size", "1M", "--dir", str(tmp_path), "--path", "gpu-direct",
                               "--plot", str(tmp_path / "x.png")])
     assert not (tmp_path / "x.png").exists()
+
+
+# ---- the GPU transfers through accel.HostAccel (deferred streams, pread for cuFile) --------------------------------
+
+class SnapAccel(HostAccel):
+    """HostAccel whose every H2D copy is followed, on the same stream, by a snapshot of the device buffer: what
+    each copy delivered, in stream order."""
+
+    def __init__(self):
+        super().__init__()
+        self.snaps = []
+
+    def h2d(self, dst, src, nbytes, stream, dst_offset=0):
+        super().h2d(dst, src, nbytes, stream, dst_offset)
+        self.defer(stream, lambda: self.snaps.append(np.array(dst[:nbytes])))
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    monkeypatch.setattr(st, "BUF_MIN", 256 << 10)       # 4 slots of 64 KiB: every batch is 4 reads
+
+
+def test_cpu_gpu_copies_each_batch_before_its_half_is_reused(data, small_buffers):
+    """Three batches of 4 sequential 64 KiB reads through two halves of the pinned buffer: each H2D copy (queued on
+    the bench's stream, run later) delivers its own batch's blocks, so batch 2 (half 0 again) waited for copy 0;
+    the buffer is pinned through the accel and unpinned at close."""
+    path, ref = data
+    acc = SnapAccel()
+    io = 64 << 10
+    w = st.StorageWorker(path, "cpu-gpu", io, 4, "seq", 0, 1, 0, 1, acc)
+    try:
+        assert w.slots == 4 and w.batch_max == 4 and w.notes[-2].startswith("pinned 2 x 256K bounce buffer")
+        assert list(acc.pinned_ranges.values()) == [w.staging.buf.nbytes]
+        _run(w, 12 * io)
+        assert w.ops == 12 and w.stream.query()
+        blocks = ref[:12 * io].reshape(3, 4 * io)
+        assert len(acc.snaps) == 3 and all(np.array_equal(s, b) for s, b in zip(acc.snaps, blocks))
+        assert np.array_equal(w.dev, blocks[2])
+    finally:
+        w.close()
+    assert acc.pinned_ranges == {} and w.dev is None
+
+
+def test_gpu_direct_preads_into_device_slots(data, small_buffers):
+    path, ref = data
+    io = 64 << 10
+    before = open_fds()
+    w = st.StorageWorker(path, "gpu-direct", io, 4, "seq", 0, 1, 0, 2, HostAccel())
+    try:
+        assert w.slots == 4 and len(w.views) == 4
+        assert w.notes == ["host cuFile stand-in (pread), 2 threads; gds_threshold 0, one Python submitter keeping "
+                           "4 reads in flight"]
+        _run(w, 8 * io)             # one batch of 8, 4 in flight: the slots hold the second 4
+        assert w.ops == 8 and np.array_equal(w.dev, ref[4 * io:8 * io]) and open_fds() != before
+    finally:
+        w.close()
+    assert w.file is None and open_fds() == before
+
+
+def test_gpu_direct_short_read_is_an_error(data, small_buffers, tmp_path):
+    path, ref = data
+    short = tmp_path / "short.bin"
+    short.write_bytes(ref[:1 * MiB].tobytes())
+    w = st.StorageWorker(short, "gpu-direct", 64 << 10, 4, "seq", 0, 1, 0, 1, HostAccel())
+    try:
+        os.truncate(short, 100 << 10)                   # blocks 2.. are gone after the set-up
+        with pytest.raises(ReadError, match=r"short\.bin: cuFile read at offset 65536 returned 36864 of 65536 bytes"):
+            _run(w, 4 * (64 << 10))
+    finally:
+        w.close()
+
+
+def test_gpu_direct_without_cufile_closes_what_it_opened(data):
+    from gds_gather.errors import BackendError
+    path, _ = data
+    before = open_fds()
+    with pytest.raises(BackendError, match=r"HostAccel\(gds=False\) has no cuFile stand-in"):
+        st.storage_run(path, "gpu-direct", 64 << 10, accel=HostAccel(gds=False))
+    assert open_fds() == before
+
+
+def test_bench_runs_all_three_paths_on_the_host_accel(tmp_path, capsys, monkeypatch):
+    """GDS_GATHER_ACCEL=host on a forced discrete platform: gpu-direct and cpu-gpu run (through HostAccel), with
+    the compat-mode banner (the stand-in is not GPU-direct DMA) and each path's 4 reads of 64 KiB."""
+    monkeypatch.setenv("GDS_GATHER_PLATFORM", "discrete")
+    monkeypatch.setenv("GDS_GATHER_ACCEL", "host")
+    res = benches.storage_main(["--size", "1M", "--dir", str(tmp_path), "--io-size", "64K", "--bytes", "256K",
+                                "--repeat", "1", "--warmup", "0", "--json"])
+    out = capsys.readouterr().out
+    assert res["skipped"] == []
+    assert [(r["path"], r["median"]["ops"], r["median"]["bytes"]) for r in res["results"]] == [
+        ("gpu-direct", 4, 256 << 10), ("cpu-gpu", 4, 256 << 10), ("cpu", 4, 256 << 10)]
+    assert st.COMPAT_BANNER in out and "(HostAccel: cuFile stand-in (pread into host device memory))" in out
+    assert res["facts"]["kvikio_reads"] == "host cuFile stand-in (pread), 1 threads"
+    assert "XferType: GPUD" in out and "XferType: CPU_GPU" in out

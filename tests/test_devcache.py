@@ -213,6 +213,33 @@ def test_acquire_lends_one_cache_per_file_and_device(table):
     devcache.drop_all()
 
 
+def test_acquire_drops_stale_and_least_recently_used_caches(table):
+    """A cache of the same path under an older file identity is dropped when the new identity's is made; beyond
+    MAX_POOLS idle caches the least recently used goes: asked again, each is a new, empty one."""
+    path, _ = table
+    devcache.drop_all()
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as old:
+        a = devcache.acquire(old, 0)
+        devcache.release(a)
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
+            b = devcache.acquire(t, 0)
+            devcache.release(b)
+            assert devcache.acquire(old, 0) is not a        # a's pool was dropped as stale
+            devcache.drop_all()
+            first = devcache.acquire(t, 0)
+            devcache.release(first)
+            later = []
+            for dev in range(1, devcache.MAX_POOLS + 1):
+                later.append(devcache.acquire(t, dev))
+                devcache.release(later[-1])
+            assert devcache.acquire(t, devcache.MAX_POOLS) is later[-1]     # kept
+            devcache.release(later[-1])
+            assert devcache.acquire(t, 0) is not first                     # the oldest idle one went
+    devcache.drop_all()
+
+
 # -- kernels/copy.cu ------------------------------------------------------------------------------------------
 
 HOST_SHIM = """

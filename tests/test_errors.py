@@ -439,3 +439,17 @@ def test_one_exception_hierarchy_in_errors_py():
                          ("schedule", "StagingCapacityError"), ("text", "PromptError"),
                          ("safe_write", "OutputPathError"), ("graph", "WaitValueRefused")):
         assert getattr(importlib.import_module(f"gds_gather.{module}"), name) is getattr(errors, name)
+
+
+def test_a_dtype_that_cannot_even_be_printed_is_a_bad_dtype():
+    """An object whose str() and repr() both raise: BadDtypeError naming its type (not the error of its repr)."""
+    from gds_gather import arrays
+
+    class Weird:
+        def __str__(self):
+            raise RuntimeError("no str")
+        __repr__ = __str__
+    with pytest.raises(gg.errors.BadDtypeError, match="got an object of type Weird"):
+        arrays.dtype_name(Weird())
+    with pytest.raises(TypeError, match="not a CUDA stream: 'default'"):
+        arrays.stream_ptr("default")

@@ -552,3 +552,64 @@ def test_summary_lists_every_step_and_a_killed_one_without_junit(tmp_path):
     for name, _, _ in steps:
         assert name in r.stdout
     assert "junit: none" in r.stdout and (out / "gpu_tests.xml").is_file()
+
+
+class OldKvikioDefaults:
+    """kvikio.defaults before 25.02: num_threads_reset / gds_threshold_reset, no set/get."""
+
+    def __init__(self):
+        self.values = {}
+
+    def num_threads_reset(self, n):
+        self.values["num_threads"] = n
+
+    def gds_threshold_reset(self, n):
+        self.values["gds_threshold"] = n
+
+    def is_compat_mode_preferred(self):
+        return True
+
+
+def test_old_kvikio_and_no_cufile_driver():
+    """KvikIO < 25.02 gets its threads and threshold through the *_reset calls; a cuFile driver that cannot be
+    asked means no GPU-direct DMA; without auto_direct_io_read the reads are said to be buffered."""
+    from gds_gather.device import configure_kvikio
+    d = OldKvikioDefaults()
+
+    def no_driver(key):
+        raise RuntimeError("cuFile driver not loaded")
+    kv = types.SimpleNamespace(defaults=d, cufile_driver=types.SimpleNamespace(get=no_driver))
+    real, how = configure_kvikio(6, kv)
+    assert not real and d.values == {"num_threads": 6, "gds_threshold": 0}
+    assert "BUFFERED POSIX reads" in how and "no GPU-direct DMA" in how
+
+
+def test_gds_reader_on_the_host_accel(tmp_path, ggufs):
+    """GdsReader through HostAccel's cuFile stand-in: fetch (waiting for its stream) reads the plan's 4 KiB
+    windows into device staging where each unique row is the file's row; a plan at another alignment is refused;
+    a DeviceSink of an unknown mode too."""
+    pytest.importorskip("torch")
+    from gds_gather.accel import HostAccel
+    from gds_gather.device import DeviceSink, GdsReader
+    from gds_gather.errors import BackendError
+    path, raw, _ = ggufs.table(tmp_path / "g.gguf", 200, seed=4)
+    a = HostAccel()
+    with gg.open_table(path, config=gg.Config(platform="discrete", accel="host", cache_bytes=0)) as t:
+        r = t.region.open(GdsReader, t.config, accel=a)
+        try:
+            plan = t.plan(np.array([150, 3, 3, 77]), align=t.gds_align)
+            s = a.stream()
+            earlier = []
+            a.defer(s, lambda: earlier.append(True))              # the stream's earlier work on the staging
+            dev, offs = r.fetch(plan, s)
+            assert earlier == [True]                             # waited for it before reading
+            a.synchronize(s)                                     # (the offsets' upload is queued on s)
+            got = np.stack([np.asarray(dev)[o:o + t.row_bytes] for o in np.asarray(offs).tolist()])
+            np.testing.assert_array_equal(got, raw[plan.unique_rows])
+            assert r.bytes_read > 0
+            with pytest.raises(BackendError, match=r"gds: plan at 512-byte alignment; plan at Table.gds_align"):
+                r.read_windows(t.plan(np.array([1]), align=512))
+        finally:
+            r.close()
+        with pytest.raises(ValueError, match="bogus"):
+            DeviceSink(t.open_reader("direct"), "bogus", accel=a)

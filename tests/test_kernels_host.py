@@ -7,6 +7,8 @@ skips, with the reason, where its compiler is absent.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from gds_gather import dequant_gpu as dg
+from gds_gather.errors import BackendError, RowWidthError, UnsupportedTypeError
 from gds_gather.model import random_blocks
 from gds_gather.planner import plan_rows
 from gds_gather.quants import supported_types
@@ -412,3 +415,91 @@ def test_gather_rows_launch_plumbing(lib, monkeypatch):
     with pytest.raises(ValueError):         # not contiguous
         dg.gather_rows(st, off, _FakeDeviceArray(np.zeros((3, 2), np.int64)[:, :1]), Q.IQ4_NL, 160)
     assert len(launches) == 18
+
+
+# ---- the host build itself, and the argument checks before any launch ---------------------------------------------
+def test_host_build_compiles_into_an_empty_cache(lib, tmp_path, monkeypatch):
+    """A cold cache (an empty temp dir): the source is compiled into gds_gather-<uid>/gg_host_<hash>.so, whose
+    geometry is gguf's; the build directory is gone afterwards; a second call loads the same file."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    dll = dg.host_library.__wrapped__(False)
+    cache = tmp_path / f"gds_gather-{os.getuid()}"
+    built = list(cache.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("gg_host_") and built[0].suffix == ".so"
+    qk, ts = ctypes.c_int(), ctypes.c_int()
+    assert dll.gg_geometry(int(Q.Q6_K), qk, ts) == 0 and (qk.value, ts.value) == GGML_QUANT_SIZES[Q.Q6_K]
+    mtime = built[0].stat().st_mtime_ns
+    dg.host_library.__wrapped__(False)
+    assert list(cache.iterdir()) == built and built[0].stat().st_mtime_ns == mtime
+
+
+def test_host_build_failure_says_what_the_compiler_said(lib, tmp_path, monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no g++/c++/clang++")
+    monkeypatch.setattr(dg, "_host_compiler", lambda: [cxx, "-x", "c++", "--no-such-flag-gg"])
+    with pytest.raises(BackendError, match=r"(?s)host build of the kernels failed \(.*\):\n.*no-such-flag-gg"):
+        dg.host_library.__wrapped__(False)
+    assert [p.name for p in (tmp_path / f"gds_gather-{os.getuid()}").iterdir()] == []
+
+
+def test_host_compiler_choice(monkeypatch):
+    """g++/c++/clang++ first; nvcc's host path when only nvcc is on PATH; none: a clear error, no build."""
+    monkeypatch.setattr(shutil, "which", lambda n: "/opt/cuda/bin/nvcc" if n == "nvcc" else None)
+    cmd = dg._host_compiler()
+    assert cmd[0] == "/opt/cuda/bin/nvcc" and cmd[-2:] == ["-x", "cu"] and "--fmad=false" in cmd
+    monkeypatch.setattr(shutil, "which", lambda n: None)
+    assert not dg.host_compiler_available()
+    with pytest.raises(BackendError, match=r"needs a C\+\+ compiler \(g\+\+, clang\+\+\) or nvcc"):
+        dg.host_library.__wrapped__(False)
+
+
+def test_host_helpers_reject_bad_arguments(lib):
+    with pytest.raises(ValueError, match=r"shapes differ: \(3,\) and \(4,\)"):
+        dg.host_mul(np.ones(3), np.ones(4))
+    with pytest.raises(UnsupportedTypeError, match="Q8_1 is not in the CUDA source"):
+        dg.host_geometry(Q.Q8_1)
+    staging, offs, inv = np.zeros(90, np.uint8), np.zeros(1, np.int64), np.zeros(2, np.int64)
+    with pytest.raises(TypeError, match="staging must be uint8, got float32"):
+        dg.host_gather(staging.astype(np.float32), offs, inv, Q.IQ4_NL, 160)
+    with pytest.raises(TypeError, match=r"row_offsets must be a 1-D int64 array, got int64 \(1, 1\)"):
+        dg.host_gather(staging, offs.reshape(1, 1), inv, Q.IQ4_NL, 160)
+    with pytest.raises(TypeError, match="inverse must be int32 or int64, got uint8"):
+        dg.host_gather(staging, offs, inv.astype(np.uint8), Q.IQ4_NL, 160)
+    with pytest.raises(RowWidthError, match=r"row_elems=268435456 is beyond what the kernels index \(2\^28\)"):
+        dg.host_gather(staging, offs, inv, Q.F32, 2**28)
+
+
+def test_launch_checks_on_host_arrays():
+    """check_launch(host=True), HostAccel's checks: torch CPU tensors must be contiguous, other objects refused."""
+    torch = pytest.importorskip("torch")
+    st, off = np.zeros(90, np.uint8), np.zeros(1, np.int64)
+    g = dg.check_launch(st, off, torch.zeros(3, dtype=torch.int64), Q.IQ4_NL, 160, host=True)
+    assert (g.kind, g.dev, g.shape, g.n) == ("torch", -1, (3, 160), 3)
+    with pytest.raises(ValueError, match="inverse must be contiguous"):
+        dg.check_launch(st, off, torch.zeros(3, 2, dtype=torch.int64)[:, 0], Q.IQ4_NL, 160, host=True)
+    with pytest.raises(TypeError, match=r"staging must be a host array or a torch CPU tensor \(HostAccel\), got list"):
+        dg.check_launch([0] * 90, off, np.zeros(3, np.int64), Q.IQ4_NL, 160, host=True)
+
+
+def test_stream_handles():
+    """A stream given as an object with __cuda_stream__ (the CUDA stream protocol: (version, handle)) gives its
+    handle; anything else is refused, naming it."""
+    class Proto:
+        def __cuda_stream__(self):
+            return (0, 0xBEEF)
+    assert dg._stream_handle(Proto(), "cupy", 0) == 0xBEEF
+    assert dg._stream_handle(np.int64(77), "cupy", 0) == 77
+    with pytest.raises(TypeError, match="stream must be a torch or cupy stream, a raw handle \\(int\\) or None, got 'x'"):
+        dg._stream_handle("x", "cupy", 0)
+
+
+def test_no_cupy_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy raises ImportError
+    with pytest.raises(BackendError, match=r"the GPU gather needs cupy \(pip install 'gds-gather\[cuda13\]'"):
+        dg.warmup(Q.Q4_0)
+    with pytest.raises(TypeError):                          # not a dtype at all: refused by name, as "uint8" is
+        dg.kernel_name("Q4_0", "float32", object())

@@ -331,3 +331,38 @@ def test_one_synchronization_per_device_gather(table_file, dest):
         acc.synchronize(s)
         for got, w in zip(outs, want):
             np.testing.assert_array_equal(np.asarray(got), w)
+
+
+def test_a_failed_setup_gives_the_device_cache_back(model):
+    """A set-up that fails after the device cache was lent (a negative ubatch: torch refuses the pinned buffers)
+    raises that error and gives the cache back: the next prefill of the table borrows the same pooled cache."""
+    with gg.open_table(model, config=_cfg("discrete", BUDGET)) as t:
+        a = HostAccel()
+        with pytest.raises(RuntimeError, match="non-negative|negative dimension"):
+            GpuPrefill(t, RowMapper(t), backend="direct", ubatch=-1, graph=False, dtype="float32", trunk="none",
+                       accel=a)
+        dc = devcache.acquire(t, a.prefill_device(), a)
+        try:
+            assert dc is not None and dc.key is not None          # the pooled one, not a private copy
+        finally:
+            devcache.release(dc)
+
+
+def test_progress_eager_on_rocm_and_a_closed_prefill(model, caplog):
+    """ROCm: graph=True runs eagerly and says why; progress is told each ubatch's tokens; the rows are the CPU
+    pipeline's; a closed prefill refuses to run."""
+    with gg.open_table(model, config=_cfg("rocm", 0)) as t:
+        tok = _tokens(t, 2 * UB + 3, seed=8, hi=150)
+        seen = []
+        p = GpuPrefill(t, RowMapper(t), backend="direct", ubatch=UB, graph=True, dtype="float32", trunk="none",
+                       accel=HostAccel())
+        try:
+            assert not p.graph and "eager on ROCm" in p.graph_why
+            res = p.run(tok, progress=seen.append, collect=True)
+        finally:
+            p.close()
+        assert any("eager on ROCm" in m for m in caplog.messages)
+        assert seen == [UB, UB, 3] and res["graph"] is False
+        _same(res["outputs"], _cpu(t, tok))
+        with pytest.raises(ValueError, match="this GpuPrefill is closed"):
+            p.run(tok)

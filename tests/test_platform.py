@@ -169,3 +169,48 @@ def test_info_states_the_platform_choice(table):
     text = subprocess.run([sys.executable, "-m", "gds_gather.cli", "info", str(table.path)],
                           capture_output=True, text=True, check=True).stdout
     assert "GPU path" in text
+
+
+def _kvikio_here(monkeypatch, *, real=False, compat=True, fail=None):
+    """A KvikIO as this process would import it (sys.modules): its cuFile driver's answer and its compat
+    preference, or `fail` raised by the driver query."""
+    import importlib.machinery
+    import types
+
+    def get(key):
+        if fail:
+            raise fail
+        assert key == "is_gds_available"
+        return real
+    kv = types.ModuleType("kvikio")
+    kv.__spec__ = importlib.machinery.ModuleSpec("kvikio", None)
+    kv.cufile_driver = types.SimpleNamespace(get=get)
+    kv.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
+    monkeypatch.setitem(sys.modules, "kvikio", kv)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", kv.cufile_driver)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", kv.defaults)
+
+
+@pytest.mark.parametrize("real,compat,fail,want", [
+    (True, False, None, (True, True, "KvikIO/cuFile with real GPU-direct storage (nvidia-fs or P2PDMA)")),
+    (True, True, None, (True, False, "KvikIO/cuFile in compat mode")),
+    (False, False, None, (True, False, "KvikIO/cuFile in compat mode")),
+    (False, False, RuntimeError("cuFile driver init failed"),
+     (False, False, "kvikio failed to initialise (RuntimeError: cuFile driver init failed)")),
+])
+def test_gds_state_reads_kvikio_s_answer(monkeypatch, real, compat, fail, want):
+    from gds_gather.backends import gds_state
+    _kvikio_here(monkeypatch, real=real, compat=compat, fail=fail)
+    ok, is_real, why = gds_state()
+    assert (ok, is_real) == want[:2] and why.startswith(want[2])
+
+
+def test_resolve_gds_follows_the_platform_and_kvikio(monkeypatch):
+    from gds_gather.backends import resolve, resolve_device
+    _kvikio_here(monkeypatch)
+    assert resolve("gds", gg.Config(platform="discrete")) == ("gds", "requested")
+    with pytest.raises(gg.BackendError, match="backend 'gds' is not available here: needs a discrete NVIDIA GPU; "
+                                              "platform is unified"):
+        resolve("gds", gg.Config(platform="unified"))
+    name, mode, why = resolve_device("auto", gg.Config(platform="discrete", backend="pread"))
+    assert (name, mode) == ("pread", "copy") and "discrete" in why

@@ -91,6 +91,16 @@ def test_prefetched_rows_are_taken_and_counted_once(table):
         assert t.stats()["rows_from_cache"] == shared + b.size and t.stats()["rows_prefetched"] == b.size
 
 
+def test_a_read_covered_by_one_prefetch_takes_all_of_it(table):
+    path, raw, _ = table
+    b = np.array([390, 3, 77, 3, 150])
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, page_cache_reads=0, prefetch=1)) as t:
+        assert t.prefetch(b, "direct") == 4
+        np.testing.assert_array_equal(t.read_rows(b, "direct"), raw[b])
+        s = t.stats()
+        assert s["rows_prefetched"] == 4 and s["rows_from_device"] == 4 and _sources(s) == 4
+
+
 def test_baselines_cache_off_and_the_switch_prefetch_nothing(table):
     path, raw, _ = table
     ids = np.arange(0, N_ROWS, 3)

@@ -81,13 +81,17 @@ def test_direct_uses_odirect_windows_and_io_uring(small_table):
 
 
 def test_python_pool_fallback_without_compiler(small_table, ggufs, monkeypatch):
+    """No native helpers: direct and pread read through Python threads calling preadv (engine_only: every row
+    from the file, none from a cache), readahead madvises page by page; all give gguf's rows."""
     monkeypatch.setattr(native, "library", lambda config=None: (None, "no C compiler (test)"))
     ref = ggufs.reference(small_table)
-    with gg.open_table(small_table, config=gg.Config(engine="threads")) as t:
+    with gg.open_table(small_table, config=engine_only(engine="threads")) as t:
         ids = np.random.default_rng(2).integers(0, t.n_rows, 400)
-        np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
-        assert "Python thread pool" in t._readers["direct"].how
-        np.testing.assert_array_equal(t.gather(ids, "readahead"), ref[ids])
+        for backend in ("direct", "pread", "readahead"):
+            np.testing.assert_array_equal(t.gather(ids, backend), ref[ids], err_msg=backend)
+        for backend in ("direct", "pread"):
+            r = t._readers[backend]
+            assert "Python thread pool" in r.how and r.bytes_read >= np.unique(ids).size * t.row_bytes, backend
 
 
 def test_odirect_refused_falls_back_to_buffered(small_table, ggufs, monkeypatch, caplog):
@@ -230,6 +234,56 @@ def test_replaced_or_modified_since_open(small_table, tmp_path, backend):
         os.utime(small_table, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         with pytest.raises(gg.ReadError, match="modified"):
             t.read_rows([2], backend)
+
+
+@pytest.mark.parametrize("backend", ["direct", "mmap"])
+def test_removed_since_open(small_table, backend):
+    with gg.open_table(small_table, config=engine_only()) as t:
+        t.read_rows([1], backend)
+        os.unlink(small_table)
+        with pytest.raises(gg.ReadError, match=r"small\.gguf: the file was removed after it was opened"):
+            t.read_rows([2], backend)
+
+
+def test_resident_load_past_the_end_is_an_error(small_table):
+    """A region that runs past the end of the file (the file's own identity, taken at open): loading it stops at
+    EOF with the offset, not with a short table."""
+    with gg.open_table(small_table) as t:
+        off, n, rb = t.data_offset, t.n_bytes, t.row_bytes
+        plan = t.plan([0])
+    size = os.path.getsize(small_table)
+    r = readers.ResidentReader(small_table, off, n + 4096, config=engine_only())
+    assert r.file_id[2] == size and r.resident(np.array([0]), rb) is None       # (resident does not tell)
+    with pytest.raises(gg.ReadError, match=rf"unexpected end of file at offset {size} while loading the table"):
+        r.read(plan)
+
+
+def test_pread_splits_rows_larger_than_one_run_chunk(tmp_path, ggufs):
+    """Rows of 280,000 B (> RUN_CHUNK): pread's exact-row reads are split into extents of at most RUN_CHUNK and
+    still give the file's rows, in any order."""
+    path, rows = table_file(tmp_path, ggufs, Q.F32, 70_000, 6)
+    assert rows.shape[1] > readers.RUN_CHUNK
+    with gg.open_table(path, config=engine_only()) as t:
+        ids = np.array([5, 0, 3, 3, 1])
+        np.testing.assert_array_equal(t.read_rows(ids, "pread"), rows[ids])
+        assert t._readers["pread"].bytes_read == 4 * rows.shape[1]
+
+
+def test_without_io_uring(small_table, ggufs, monkeypatch, caplog):
+    """io_uring unusable here (as under a seccomp policy): engine=uring is an error saying why; engine=auto falls
+    back to the native thread pool, says so in `how` and in a warning, and reads gguf's rows."""
+    monkeypatch.setattr(uring, "probe", lambda: (False, "io_uring_setup failed: Operation not permitted"))
+    with gg.open_table(small_table, config=engine_only(engine="uring")) as t:
+        with pytest.raises(gg.ReadError, match="io_uring was requested but is not usable here: io_uring_setup failed"):
+            t.read_rows([1], "direct")
+    ref = ggufs.reference(small_table)
+    with gg.open_table(small_table, config=engine_only(engine="auto")) as t:
+        ids = np.arange(0, t.n_rows, 7)
+        np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
+        how = t._readers["direct"].how
+    if filesystem(small_table) not in readers.MEMORY_FILESYSTEMS:
+        assert "io_uring_setup failed: Operation not permitted: native thread pool instead" in how
+        assert any("native thread pool instead" in m for m in caplog.messages)
 
 
 def test_a_second_thread_waits_for_the_reader(small_table, ggufs):

@@ -253,9 +253,12 @@ def cache_line(rc: dict | None) -> str | None:
                " " * 27)
 
 
-def _gpu_stream(backends):
+def _gpu_stream(backends, cfg: Config):
     if not any(b.startswith("gpu:") for b in backends):
         return None
+    if cfg.accel != "cuda":                 # HostAccel: one of its streams (any HostStream serves every table)
+        from .. import accel
+        return accel.get(cfg.accel).stream()
     import cupy
     return cupy.cuda.Stream(non_blocking=True)
 
@@ -385,7 +388,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
               f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", "     "), flush=True)
     out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "passes": passes, "runs": [],
            "fio": {}, "fio_warm": None}
-    stream = _gpu_stream(backends)
+    stream = _gpu_stream(backends, cfg)
     warm_path, copied = path, False
     if "warm" in passes and a.warm == "tmpfs":
         free = shutil.disk_usage(a.tmpfs).free
@@ -537,8 +540,8 @@ def default_backends(cfg: Config) -> list[str]:
     if plat.kind != "cpu":
         out.append("gpu:direct")
         if plat.kind == "discrete":
-            from ..backends import gds_state
-            if gds_state()[0]:
+            from .. import accel
+            if accel.get(cfg.accel).gds_state()[0]:     # (the GPU's: backends.gds_state)
                 out.append("gpu:gds")
     return out
 

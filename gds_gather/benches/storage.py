@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import accel as accel_mod
 from .. import measure
 from ..config import Config
 from .plot import bars, figure
@@ -48,12 +49,14 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
 
 class StorageWorker:
     """One thread's reads of `io` bytes at a time: O_DIRECT through its own io_uring (cpu, cpu-gpu) or KvikIO
-    CuFile.pread into device memory (gpu-direct). Set up outside the timing; run() is the timed part."""
+    CuFile.pread into device memory (gpu-direct), through `accel` (accel.get(Config.accel); default the GPU).
+    Set up outside the timing; run() is the timed part."""
 
     def __init__(self, path: Path, xfer: str, io: int, qd: int, pattern: str, index: int, nthreads: int,
-                 seed: int, threads: int):
+                 seed: int, threads: int, accel=None):
         from ..storage import logical_block_size
         self.path, self.xfer, self.io = path, xfer, io
+        self.accel = accel
         size = os.path.getsize(path)
         self.nblocks = size // io
         self.rng = np.random.default_rng([seed, index])
@@ -94,13 +97,10 @@ class StorageWorker:
         halves = 2 if self.xfer == "cpu-gpu" else 1
         self.staging = Staging()
         if self.xfer == "cpu-gpu":
-            import cupy as cp
-
-            from ..device import pin_staging
-            self.cp = cp
-            pin_staging(self.staging, mapped=False)     # page-locked (portable) from its first ensure on
-            self.stream = cp.cuda.Stream(non_blocking=True)
-            self.dev = cp.empty(self.slots * self.io, cp.uint8)
+            acc = self._accel()
+            acc.pin(self.staging, mapped=False)         # page-locked (portable) from its first ensure on
+            self.stream = acc.stream()
+            self.dev = acc.empty(self.slots * self.io)
             self.events = [None, None]
             self.notes.append(f"pinned 2 x {human_size(self.slots * self.io)} bounce buffer, one H2D copy per batch")
         buf = self.staging.ensure(halves * self.slots * self.io)
@@ -112,19 +112,18 @@ class StorageWorker:
         self.lens = np.full(self.batch_max, self.io, np.int64)
         self.ramp = np.arange(self.batch_max, dtype=np.uint64) % np.uint64(self.slots) * np.uint64(self.io)
 
-    def _setup_kvikio(self, threads: int) -> None:
-        import cupy as cp
-        import kvikio
+    def _accel(self):
+        if self.accel is None:
+            self.accel = accel_mod.get("cuda")
+        return self.accel
 
-        from ..device import configure_kvikio
-        self.cp = cp
-        _, reads = configure_kvikio(threads)
-        self.file = kvikio.CuFile(str(self.path), "r")
-        self.dev = cp.empty(self.slots * self.io, cp.uint8)
+    def _setup_kvikio(self, threads: int) -> None:
+        acc = self._accel()
+        self.file, how, _ = acc.cufile(self.path, threads)
+        self.dev = acc.empty(self.slots * self.io)
         self.views = [self.dev[s * self.io:(s + 1) * self.io] for s in range(self.slots)]
         self.batch_max = max(self.slots, min(65536, 8 * self.slots))
-        self.notes.append(f"KvikIO CuFile.pread, {threads} KvikIO threads, gds_threshold 0, one Python submitter "
-                          f"keeping {self.qd} reads in flight; {reads}")
+        self.notes.append(f"{how}; gds_threshold 0, one Python submitter keeping {self.qd} reads in flight")
 
     # -- the timed part ----------------------------------------------------------------------------------------
     def offsets(self, n: int) -> np.ndarray:
@@ -147,10 +146,9 @@ class StorageWorker:
         self.ring.read(self.fd, offs, self.lens[:n], base + self.ramp[:n], align=self.align, path=self.path,
                        queue_depth=self.qd, lat_ns=lat)
         if self.xfer == "cpu-gpu":
-            cp = self.cp
-            cp.cuda.runtime.memcpyAsync(self.dev.data.ptr, int(base), n * self.io, cp.cuda.runtime.memcpyHostToDevice,
-                                        self.stream.ptr)
-            ev = cp.cuda.Event(disable_timing=True)
+            half = self.staging.buf[h * self.slots * self.io:(h + 1) * self.slots * self.io]
+            self.accel.h2d(self.dev, half, n * self.io, self.stream)
+            ev = self.accel.event()
             ev.record(self.stream)
             self.events[h] = ev
         return lat
@@ -196,7 +194,7 @@ class StorageWorker:
                 dt = max(time.perf_counter() - a, 1e-6)
                 n = int(min(self.batch_max, max(self.qd, n * target / dt)))
             if self.stream is not None:
-                self.stream.synchronize()       # the last copies have landed
+                self.accel.synchronize(self.stream)     # the last copies have landed
         except BaseException as e:             # re-raised by the main thread
             self.error = e
             barrier.abort()
@@ -221,13 +219,14 @@ class StorageWorker:
 
 
 def storage_run(path: Path, xfer: str, io: int, *, threads: int = 1, qd: int = 128, pattern: str = "rand",
-                seconds: float | None = 1.0, nbytes: int | None = None, seed: int = 0) -> dict:
-    """One timed run of one configuration: GiB/s, IOPS, mean and p99 per-I/O latency."""
+                seconds: float | None = 1.0, nbytes: int | None = None, seed: int = 0, accel=None) -> dict:
+    """One timed run of one configuration: GiB/s, IOPS, mean and p99 per-I/O latency. `accel`: the device of the
+    GPU transfers (default the GPU)."""
     nthreads = 1 if xfer == "gpu-direct" else threads
     workers = []
     try:
         for i in range(nthreads):
-            workers.append(StorageWorker(path, xfer, io, qd, pattern, i, nthreads, seed, threads))
+            workers.append(StorageWorker(path, xfer, io, qd, pattern, i, nthreads, seed, threads, accel))
         barrier = threading.Barrier(nthreads)
         io_count = measure.ReadCounter(path)
         ths = [threading.Thread(target=w.run, args=(seconds, nbytes and -(-nbytes // nthreads), barrier),
@@ -313,6 +312,7 @@ def run_storage(a, cfg: Config) -> dict:
     facts = bench_facts(path, cfg)
     print_header("storage", facts, [cold_method(a) if a.cold else ""], quick=a.quick)
     plat = detect(cfg.platform)
+    acc = accel_mod.get(cfg.accel)
     skipped = {}
     if plat.kind == "cpu":
         for x in ("gpu-direct", "cpu-gpu"):
@@ -321,13 +321,12 @@ def run_storage(a, cfg: Config) -> dict:
         if plat.kind == "rocm":
             skipped["gpu-direct"] = "cuFile/KvikIO is NVIDIA only (platform rocm)"
         else:
-            from ..backends import gds_state
-            ok, real, why = gds_state()
+            ok, real, why = acc.gds_state()
             if not ok:
                 skipped["gpu-direct"] = why
             elif "gpu-direct" in paths:
-                from ..device import configure_kvikio
-                real, reads = configure_kvikio(a.threads)
+                f, reads, real = acc.cufile(path, a.threads)     # (configures KvikIO's defaults for the runs)
+                f.close()
                 if not real:
                     print(COMPAT_BANNER)
                     print(f"  ({why})")
@@ -354,7 +353,7 @@ def run_storage(a, cfg: Config) -> dict:
                 print(f"XferType: {XFER[x]} IOSize: {io // KiB}(KiB): skipped: {why}")
                 result["skipped"].append({"path": x, "io_size": io, "why": why})
                 continue
-            kw = dict(threads=a.threads, qd=a.qd, pattern=a.pattern)
+            kw = dict(threads=a.threads, qd=a.qd, pattern=a.pattern, accel=acc)
             if warmup > 0:
                 storage_run(path, x, io, seconds=warmup, seed=99, **kw)
             runs = []

@@ -1,0 +1,85 @@
+"""bench gather's device destinations (gpu:direct, gpu:gds) on accel.HostAccel (GDS_GATHER_ACCEL=host on a forced
+discrete platform: host streams, pread for cuFile), beside the host backend `direct` over the same trace: the same
+ids, unique rows and useful bytes per pass, the ratio lines, and --warm tmpfs with fio on the copy.
+
+On a GPU (cupy stream, KvikIO) the same bench runs in bench/gpu_check.sh."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gds_gather import benches
+from gds_gather.benches.gather import default_backends
+from gds_gather.benches.report import HOST_BACKENDS
+from gds_gather.benches.gather import stats_delta, table_stats
+from gds_gather.config import Config
+from gds_gather.model import write_model
+
+pytestmark = pytest.mark.usefixtures("bench_sandbox")
+
+
+def test_default_backends_follow_the_platform_and_the_accel():
+    assert default_backends(Config(platform="cpu", accel="host")) == list(HOST_BACKENDS)
+    assert default_backends(Config(platform="rocm", accel="host")) == [*HOST_BACKENDS, "gpu:direct"]
+    assert default_backends(Config(platform="discrete", accel="host")) == [*HOST_BACKENDS, "gpu:direct", "gpu:gds"]
+
+
+def test_device_destinations_on_the_host_accel(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GDS_GATHER_PLATFORM", "discrete")
+    monkeypatch.setenv("GDS_GATHER_ACCEL", "host")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    table = tmp_path / "e4b.gguf"
+    write_model(table, "gemma4-e4b", rows=512)
+    res = benches.gather_main(["--file", str(table), "--tokens", "256", "--ubatch", "128",
+                               "--repeat", "1", "--no-newproc", "--no-restart", "--fio-runtime", "1",
+                               "--warm", "tmpfs", "--tmpfs", str(shm), "--backends", "direct,gpu:direct,gpu:gds",
+                               "--out", str(tmp_path), "--json"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["backends"] == ["direct", "gpu:direct", "gpu:gds"]
+    (t,) = res["tables"]
+    assert t["label"] == "e4b.gguf" and t["n_rows"] == 512
+    got = {(r["backend"], r["cache"]): r for r in t["runs"]}
+    assert set(got) == {(b, p) for b in ("direct", "gpu:direct", "gpu:gds") for p in ("cold", "again", "warm")}
+    for p in ("cold", "again", "warm"):
+        d = got[("direct", p)]
+        for b in ("gpu:direct", "gpu:gds"):
+            r = got[(b, p)]
+            assert (r["ids"], r["unique"], r["useful_bytes"]) == (d["ids"], d["unique"], d["useful_bytes"]) == \
+                (t["ids"], d["unique"], d["unique"] * t["row_bytes"])
+            assert r["rows_per_s"] > 0
+    assert "cuFile stand-in" in got[("gpu:gds", "cold")]["how"]
+    assert got[("gpu:direct", "cold")]["how"] and got[("gpu:direct", "cold")]["how"] != got[("gpu:gds", "cold")]["how"]
+    assert "cold: gpu:direct / direct (host)" in out and "cold: gpu:gds / direct (host)" in out
+    assert f"(a copy on {shm})" in " ".join(out.split()) and list(shm.iterdir()) == []         # the tmpfs copies are removed
+    fw = t["fio_warm"]
+    if res["facts"]["fio"] != "not installed":
+        assert fw["iops"] > 0 and fw["jobs"] >= 1 and "--ioengine=psync" in fw["cmd"]
+        assert "warm: direct / fio psync 4k" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tokens", "-1"], "sizes, --repeat and --qd must be >= 1"),
+    (["--backends", "direct,nvme"], "unknown backend 'nvme'; known: direct, pread, mmap, readahead, resident, "
+                                    "gpu:direct, gpu:gds"),
+    (["--tables", "llama"], r"--tables: qwen4exp and/or gemma4-e4b, got 'llama' \(use --file for others\)"),
+])
+def test_bad_arguments(tmp_path, args, words):
+    with pytest.raises(ValueError, match=words):
+        benches.gather_main(["--quick", "--out", str(tmp_path), *args])
+    assert not list(tmp_path.glob("*.gguf"))                # refused before any table is built
+
+
+def test_row_cache_figures_of_odd_tables():
+    """A table without stats() has no figures; one whose stats() fails gives the error as its figure; no figures
+    after a pass give none; counters are the pass's increase, gauges as they are after, the hit rate recomputed."""
+    class Failing:
+        def stats(self):
+            raise OSError("gone")
+    assert table_stats(object()) is None
+    assert table_stats(Failing()) == {"error": "OSError: gone"}
+    assert stats_delta({"cache_hits": 1}, None) is None
+    assert stats_delta({"cache_hits": 2, "cache_misses": 1, "cache_bytes": 9},
+                       {"cache_hits": 5, "cache_misses": 2, "cache_bytes": 12, "backend": "direct"}) == \
+        {"cache_hits": 3, "cache_misses": 1, "cache_bytes": 12, "backend": "direct", "cache_hit_rate": 0.75}
