@@ -204,7 +204,10 @@ class CudaAccel(Accel):
         dequant_gpu.warmup(qtypes, dtypes=(dtype,), index_dtypes=("int32",))
 
     def stream(self):
-        import torch
+        try:
+            import torch
+        except ImportError:         # bench storage with cupy + kvikio only (the prefill needs torch anyway)
+            return self._cp().cuda.Stream(non_blocking=True)
         return torch.cuda.Stream()
 
     def current(self, stream=None):
@@ -226,7 +229,10 @@ class CudaAccel(Accel):
         return stream.query()
 
     def event(self, timing=False, external=False):
-        import torch
+        try:
+            import torch
+        except ImportError:         # (as stream())
+            return self._cp().cuda.Event(disable_timing=not timing)
         return torch.cuda.Event(enable_timing=timing, **({"external": True} if external else {}))
 
     def capture(self, stream, fn):
