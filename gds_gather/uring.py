@@ -293,11 +293,11 @@ class Ring:
                 self._drain_once(deadline)
                 self.drains += 1
                 return late
+            except TimeoutError:            # before OSError: TimeoutError is one of its subclasses
+                self.broken = f"reads still in flight {timeout_s:.0f} s after a fault"
+                return late
             except OSError as e:
                 self.broken = f"io_uring_enter failed while reaping the reads in flight: {e}"
-                return late
-            except TimeoutError:
-                self.broken = f"reads still in flight {timeout_s:.0f} s after a fault"
                 return late
             except BaseException as e:      # KeyboardInterrupt or another handler's exception: keep draining
                 late = late or e
