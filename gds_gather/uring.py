@@ -432,9 +432,16 @@ class Ring:
             i = int(idx[np.flatnonzero(eof)[0]])
             raise ReadError(f"{path}: unexpected end of file at offset {int(offsets[i] + got[i])} "
                             f"({int(expect[i] - got[i])} bytes missing): was the file truncated?")
-        short = idx[got[idx] < expect[idx]]
+        m = got[idx] < expect[idx]
+        short = idx[m]
         if short.size:
-            got[short] -= got[short] % align      # O_DIRECT offsets must stay aligned
+            aligned = got[short] - got[short] % align      # O_DIRECT offsets must stay aligned
+            stall = ok[m] & (aligned <= got[short] - res[m])  # the file ends inside this block: it would loop
+            if stall.any():
+                i = int(short[np.flatnonzero(stall)[0]])
+                raise ReadError(f"{path}: unexpected end of file at offset {int(offsets[i] + got[i])} "
+                                f"({int(expect[i] - got[i])} bytes missing): was the file truncated?")
+            got[short] = aligned
             retry.append(short)
 
     def close(self) -> None:
