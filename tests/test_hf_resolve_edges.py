@@ -1,0 +1,65 @@
+"""hf.py's host branches the rest of the suite leaves unexecuted (issue 17): a checkpoint found in the local
+Hugging Face cache by hub id, a config no causal-LM class maps, a model directory without a safetensors
+checkpoint, and the prefill's HF tokenizer wrapper against the tokenizers library's own encoding."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from gds_gather import hf  # noqa: E402
+from gds_gather.benches.vllm_ab import tiny  # noqa: E402
+from gds_gather.errors import ModelMismatchError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny("gemma4", tmp_path_factory.mktemp("g4"), vocab=512, n_layer=2, per_layer=16)
+
+
+def test_checkpoint_path_of_a_hub_id_comes_from_the_local_cache(tmp_path):
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny-gemma"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) is None      # nothing cached yet
+    (snap / "model.safetensors").write_bytes(b"\0" * 8)
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) == snap / "model.safetensors"
+    (snap / "model.safetensors.index.json").write_text("{}")                         # the index wins
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) == snap / "model.safetensors.index.json"
+
+
+def test_a_config_no_causal_lm_class_maps_is_refused(tmp_path):
+    transformers.ViTConfig().save_pretrained(tmp_path)       # a vision encoder: no causal-LM class
+    with pytest.raises(ModelMismatchError, match=rf"^{tmp_path}: AutoModelForCausalLM has no model class for "
+                                                 r"ViTConfig; pass model_class=$"):
+        hf.from_pretrained(tmp_path)
+
+
+def test_a_model_directory_without_safetensors_needs_a_table(ckpt, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    out = tmp_path / "bin-only"
+    out.mkdir()
+    model.config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    assert not list(out.glob("*.safetensors*"))
+    with pytest.raises(ModelMismatchError, match=rf"^{out}: no safetensors checkpoint found to read the table from: "
+                                                 r"pass table=$"):
+        hf.from_pretrained(out, dtype=torch.float32)
+
+
+def test_prefill_tokenizer_encodes_as_the_tokenizers_library(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    assert hf._tokenizer(tmp_path) is None                        # no tokenizer files: none
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
+    tok = hf._tokenizer(tmp_path)
+    got = tok.encode("the cat sat on the mat")
+    assert got.dtype.name == "int64"
+    assert got.tolist() == raw.encode("the cat sat on the mat").ids == [1, 2, 3, 0, 1, 0]
