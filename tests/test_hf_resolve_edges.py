@@ -63,3 +63,39 @@ def test_prefill_tokenizer_encodes_as_the_tokenizers_library(tmp_path):
     got = tok.encode("the cat sat on the mat")
     assert got.dtype.name == "int64"
     assert got.tolist() == raw.encode("the cat sat on the mat").ids == [1, 2, 3, 0, 1, 0]
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_a_concrete_model_class_is_used_as_given(ckpt):
+    ref = _load(ckpt)
+    cls = type(ref)
+    model = hf.from_pretrained(ckpt, model_class=cls, dtype=torch.float32)
+    try:
+        assert type(model) is cls
+        ids = torch.tensor([[0, 7, 511, 7]])
+        want = ref.get_per_layer_input_embeddings().weight.detach()[ids]
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want)
+    finally:
+        model.gds_gather.close()
+
+
+def test_per_layer_embedding_of_another_kind_than_asked(ckpt):
+    model = _load(ckpt)
+    kind = type(model.get_per_layer_input_embeddings()).__name__
+    with pytest.raises(ModelMismatchError, match=rf"'s per-layer embedding is a {kind}, not DiskEmbedding$"):
+        hf.per_layer_embedding(model, hf.DiskEmbedding)
+
+
+def test_another_auto_class_maps_through_its_own_mapping(ckpt):
+    ref = transformers.AutoModel.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = hf.from_pretrained(ckpt, model_class=transformers.AutoModel, dtype=torch.float32)
+    try:
+        assert type(model) is type(ref)
+        ids = torch.tensor([[3, 500]])
+        want = ref.get_per_layer_input_embeddings().weight.detach()[ids]
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want)
+    finally:
+        model.gds_gather.close()
