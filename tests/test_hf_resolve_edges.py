@@ -99,3 +99,26 @@ def test_another_auto_class_maps_through_its_own_mapping(ckpt):
         assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want)
     finally:
         model.gds_gather.close()
+
+
+def test_a_model_whose_config_disagrees_with_its_own_embedding(ckpt):
+    model = _load(ckpt)
+    _, cfg = hf.per_layer_embedding(model)
+    cfg.hidden_size_per_layer_input = 8                  # the module is [512, 2 x 16]
+    with pytest.raises(ModelMismatchError, match=r"^the model's per-layer embedding is \[512, 32\], its config says "
+                                                 r"\[512, 2 x 8\]$"):
+        hf.offload_per_layer_embeddings(model, source=ckpt)
+    assert isinstance(model.get_per_layer_input_embeddings(), torch.nn.Embedding)     # left as it was
+
+
+def test_offload_without_verification_checks_no_rows(ckpt):
+    model = _load(ckpt)
+    want = model.get_per_layer_input_embeddings().weight.detach().clone()
+    with hf.offload_per_layer_embeddings(model, source=ckpt, verify_rows=0) as h:
+        assert h.verified_rows == 0
+        assert h.max_abs_error != h.max_abs_error and h.rms_error != h.rms_error       # NaN: nothing measured
+        ids = torch.tensor([[9, 0, 511]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want[ids])
+    model2 = _load(ckpt)
+    with hf.offload_per_layer_embeddings(model2, source=ckpt, verify_rows=8) as h2:
+        assert h2.verified_rows >= 2 and h2.max_abs_error == 0.0                        # the same checkpoint
