@@ -122,3 +122,21 @@ def test_offload_without_verification_checks_no_rows(ckpt):
     model2 = _load(ckpt)
     with hf.offload_per_layer_embeddings(model2, source=ckpt, verify_rows=8) as h2:
         assert h2.verified_rows >= 2 and h2.max_abs_error == 0.0                        # the same checkpoint
+
+
+def test_a_weight_shared_with_another_parameter_is_not_freed(ckpt, caplog):
+    import logging
+    model = _load(ckpt)
+    w = model.get_per_layer_input_embeddings().weight
+    model.register_parameter("gds_test_view", torch.nn.Parameter(w.detach()[:1], requires_grad=False))
+    want = w.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="gds_gather.hf"):
+        h = hf.offload_per_layer_embeddings(model, source=ckpt)
+    try:
+        assert "per-layer embedding weight is shared with another parameter: not freed" in caplog.text
+        assert h.bytes_freed == 0
+        assert torch.equal(model.gds_test_view, want[:1])                   # the other parameter is intact
+        ids = torch.tensor([[4, 2]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want[ids])
+    finally:
+        h.close()
