@@ -140,3 +140,15 @@ def test_a_weight_shared_with_another_parameter_is_not_freed(ckpt, caplog):
         assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want[ids])
     finally:
         h.close()
+
+
+def test_a_model_built_on_the_meta_device_gets_its_rows_from_disk(ckpt):
+    cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert model.get_per_layer_input_embeddings().weight.device.type == "meta"
+    ref = _load(ckpt).get_per_layer_input_embeddings().weight.detach()
+    with hf.offload_per_layer_embeddings(model, source=ckpt) as h:
+        assert h.bytes_freed == 0 and h.verified_rows == 0        # no weight to free, none to compare with
+        ids = torch.tensor([[1, 510, 1]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), ref[ids])
