@@ -176,7 +176,12 @@ class _LazyParts:
     def __getitem__(self, i):
         if not isinstance(i, int):
             return [self[j] for j in range(*i.indices(len(self)))]
-        k = i - self._h if i >= 0 else i + len(self) - self._h
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"parts index {i} out of range ({n} parts)")
+        k = i - self._h
         if k < 0:
             return self._head[i]
         if not self._strings:

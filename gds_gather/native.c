@@ -60,8 +60,12 @@ static void *worker(void *arg) {
                 return NULL;
             }
             if (r == 0) { fail(j, i, -1); return NULL; }
+            int64_t start = got;
             got += r;
-            if (got < j->expect[i]) got -= got % j->align;    /* O_DIRECT: resume at an aligned offset */
+            if (got < j->expect[i]) {
+                got -= got % j->align;                      /* O_DIRECT: resume at an aligned offset */
+                if (got <= start) { fail(j, i, -1); return NULL; }  /* file ends in this block: would loop */
+            }
         }
     }
 }

@@ -707,9 +707,12 @@ def _python_pool(fd, path, offsets, lengths, expect, dst, dst_offsets, align, th
                 raise ReadError(err.errno, f"{path}: read at offset {o + got} failed: {err.strerror}") from None
             if r == 0:
                 raise ReadError(f"{path}: unexpected end of file at offset {o + got}: was the file truncated?")
-            got += r
+            start, got = got, got + r
             if got < e:
                 got -= got % align
+                if got <= start:    # the file ends inside this aligned block: re-reading it would loop forever
+                    raise ReadError(f"{path}: unexpected end of file at offset {o + start + r}: "
+                                    "was the file truncated?")
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, range(offsets.shape[0])))
 

@@ -293,11 +293,11 @@ class Ring:
                 self._drain_once(deadline)
                 self.drains += 1
                 return late
+            except TimeoutError:            # before OSError: TimeoutError is one of its subclasses
+                self.broken = f"reads still in flight {timeout_s:.0f} s after a fault"
+                return late
             except OSError as e:
                 self.broken = f"io_uring_enter failed while reaping the reads in flight: {e}"
-                return late
-            except TimeoutError:
-                self.broken = f"reads still in flight {timeout_s:.0f} s after a fault"
                 return late
             except BaseException as e:      # KeyboardInterrupt or another handler's exception: keep draining
                 late = late or e
@@ -432,9 +432,16 @@ class Ring:
             i = int(idx[np.flatnonzero(eof)[0]])
             raise ReadError(f"{path}: unexpected end of file at offset {int(offsets[i] + got[i])} "
                             f"({int(expect[i] - got[i])} bytes missing): was the file truncated?")
-        short = idx[got[idx] < expect[idx]]
+        m = got[idx] < expect[idx]
+        short = idx[m]
         if short.size:
-            got[short] -= got[short] % align      # O_DIRECT offsets must stay aligned
+            aligned = got[short] - got[short] % align      # O_DIRECT offsets must stay aligned
+            stall = ok[m] & (aligned <= got[short] - res[m])  # the file ends inside this block: it would loop
+            if stall.any():
+                i = int(short[np.flatnonzero(stall)[0]])
+                raise ReadError(f"{path}: unexpected end of file at offset {int(offsets[i] + got[i])} "
+                                f"({int(expect[i] - got[i])} bytes missing): was the file truncated?")
+            got[short] = aligned
             retry.append(short)
 
     def close(self) -> None:

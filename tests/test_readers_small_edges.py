@@ -1,0 +1,28 @@
+"""readers.rows_at with no rows, and closing a reader's fd that was already closed (issue 17)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from gds_gather import readers
+
+
+def test_rows_at_of_no_rows_and_of_some():
+    staging = np.arange(40, dtype=np.uint8)
+    none = readers.rows_at(staging, np.zeros(0, np.int64), 4)
+    assert none.shape == (0, 4) and none.dtype == np.uint8
+    got = readers.rows_at(staging, np.array([8, 0, 36], np.int64), 4)
+    np.testing.assert_array_equal(got, [staging[8:12], staging[0:4], staging[36:40]])
+
+
+def test_closing_an_fd_closed_elsewhere_is_quiet(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    readers._close_fd(fd)
+    readers._close_fd(fd)                    # EBADF now: a finalizer after an explicit close
+    try:
+        os.fstat(fd)
+        raise AssertionError("the fd is still open")
+    except OSError as e:
+        assert e.errno == 9
