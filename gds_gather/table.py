@@ -187,22 +187,22 @@ class Table:
             raise BadIdsError(f"{self.path}: prefetch takes integer row ids in [0, {self.n_rows})")
         return ahead.start(rows.astype(np.int64, copy=False))
 
-    def _through(self, reader, plan: ReadPlan, read) -> np.ndarray:
-        """read(plan) for the rows no prefetch holds; the prefetched ones taken from their prefetch (counted as
-        rows_prefetched: the prefetch counted where it read them from)."""
+    def _through(self, reader, rows: np.ndarray, read_all, read_some) -> np.ndarray:
+        """The bytes of sorted unique `rows`: those a prefetch holds taken from it (counted as rows_prefetched: the
+        prefetch counted where it read them from), the rest by read_some(rows); read_all() where none is held."""
         got = None
         for ahead in self._ahead.values():
-            got = got or ahead.take(plan.unique_rows)
+            got = got or ahead.take(rows)
         if got is None:
-            return read(plan)
+            return read_all()
         reader.check_file()         # prefetched rows must not outlive a change of the file (as the cache's hits)
         have, data = got
         self.io["rows_prefetched"] += data.shape[0]
         if have.all():
             return data
-        out = np.empty((plan.n_unique, self.row_bytes), np.uint8)
+        out = np.empty((rows.shape[0], self.row_bytes), np.uint8)
         out[have] = data
-        out[~have] = read(replan(plan, self.config, plan.unique_rows[~have], self.align))
+        out[~have] = read_some(rows[~have])
         return out
 
     def _reader(self, backend: str) -> Reader:
@@ -336,7 +336,9 @@ class Table:
             self.accel.synchronize(self.accel.current(self._last_stream))
             self._last_stream = _NO_GPU
         reader = self._reader(backend)
-        return self._through(reader, plan, lambda p: rowcache.read_through(self, reader, p))  # prefetched, hits, read
+        return self._through(reader, plan.unique_rows, lambda: rowcache.read_through(self, reader, plan),
+                             lambda rest: rowcache.read_through(self, reader, replan(plan, self.config, rest,
+                                                                                     self.align)))
 
     @_locked
     def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
@@ -350,9 +352,8 @@ class Table:
             self.accel.synchronize(self.accel.current(self._last_stream))
             self._last_stream = _NO_GPU
         reader = self._reader(backend)
-        if not self._ahead:
-            return rowcache.read_unique(self, reader, rows)
-        return self._through(reader, self.plan(rows), lambda p: rowcache.read_unique(self, reader, p.unique_rows))
+        return self._through(reader, rows, lambda: rowcache.read_unique(self, reader, rows),
+                             lambda rest: rowcache.read_unique(self, reader, rest))   # (no plan of cached rows)
 
     @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):
