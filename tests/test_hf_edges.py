@@ -1,6 +1,9 @@
 """hf.py's refusals and descriptions on a tiny Gemma 4 (the rows checked against the model's own weight): a model
 without per-layer embeddings, a second offload, a handle's use()/release() misuse, a model not loaded from a
-directory, from_pretrained with verify_rows=0 (said in the log), and run_hf_prefill's argument checks."""
+directory, from_pretrained with verify_rows=0 (said in the log), run_hf_prefill's argument checks; and its
+resolution branches: a checkpoint found in the local Hugging Face cache by hub id, a config no causal-LM class
+maps, a model directory without a safetensors checkpoint, the prefill's HF tokenizer wrapper against the tokenizers
+library's own encoding, the model classes, shared and meta-device weights."""
 from __future__ import annotations
 
 import logging
@@ -87,3 +90,132 @@ def test_run_hf_prefill_checks_its_arguments(ckpt, tmp_path):
         hf.run_hf_prefill(tmp_path / "nope")
     with pytest.raises(ValueError, match="--ubatch and the repeat count must be > 0 and --generate >= 0, got 0, 5, 0"):
         hf.run_hf_prefill(ckpt, ubatch=0)
+
+
+def _same_class_and_rows(ref, model, ids):
+    """from_pretrained's model is of ref's class and its disk rows are ref's own weight's; then it is closed."""
+    try:
+        assert type(model) is type(ref)
+        want = ref.get_per_layer_input_embeddings().weight.detach()[ids]
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want)
+    finally:
+        model.gds_gather.close()
+
+
+def test_checkpoint_path_of_a_hub_id_comes_from_the_local_cache(tmp_path):
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny-gemma"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) is None      # nothing cached yet
+    (snap / "model.safetensors").write_bytes(b"\0" * 8)
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) == snap / "model.safetensors"
+    (snap / "model.safetensors.index.json").write_text("{}")                         # the index wins
+    assert hf.checkpoint_path("someone/tiny-gemma", cache_dir=tmp_path) == snap / "model.safetensors.index.json"
+
+
+def test_a_config_no_causal_lm_class_maps_is_refused(tmp_path):
+    transformers.ViTConfig().save_pretrained(tmp_path)       # a vision encoder: no causal-LM class
+    with pytest.raises(ModelMismatchError, match=rf"^{tmp_path}: AutoModelForCausalLM has no model class for "
+                                                 r"ViTConfig; pass model_class=$"):
+        hf.from_pretrained(tmp_path)
+
+
+def test_a_model_directory_without_safetensors_needs_a_table(ckpt, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    out = tmp_path / "bin-only"
+    out.mkdir()
+    model.config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    assert not list(out.glob("*.safetensors*"))
+    with pytest.raises(ModelMismatchError, match=rf"^{out}: no safetensors checkpoint found to read the table from: "
+                                                 r"pass table=$"):
+        hf.from_pretrained(out, dtype=torch.float32)
+
+
+def test_prefill_tokenizer_encodes_as_the_tokenizers_library(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    assert hf._tokenizer(tmp_path) is None                        # no tokenizer files: none
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
+    tok = hf._tokenizer(tmp_path)
+    got = tok.encode("the cat sat on the mat")
+    assert got.dtype.name == "int64"
+    assert got.tolist() == raw.encode("the cat sat on the mat").ids == [1, 2, 3, 0, 1, 0]
+
+
+def test_a_concrete_model_class_is_used_as_given(ckpt):
+    ref = _load(ckpt)
+    cls = type(ref)
+    model = hf.from_pretrained(ckpt, model_class=cls, dtype=torch.float32)
+    _same_class_and_rows(ref, model, torch.tensor([[0, 7, 511, 7]]))
+
+
+def test_per_layer_embedding_of_another_kind_than_asked(ckpt):
+    model = _load(ckpt)
+    kind = type(model.get_per_layer_input_embeddings()).__name__
+    with pytest.raises(ModelMismatchError, match=rf"'s per-layer embedding is a {kind}, not DiskEmbedding$"):
+        hf.per_layer_embedding(model, hf.DiskEmbedding)
+
+
+def test_another_auto_class_maps_through_its_own_mapping(ckpt):
+    ref = transformers.AutoModel.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = hf.from_pretrained(ckpt, model_class=transformers.AutoModel, dtype=torch.float32)
+    _same_class_and_rows(ref, model, torch.tensor([[3, 500]]))
+
+
+def test_a_model_whose_config_disagrees_with_its_own_embedding(ckpt):
+    model = _load(ckpt)
+    _, cfg = hf.per_layer_embedding(model)
+    cfg.hidden_size_per_layer_input = 8                  # the module is [512, 2 x 16]
+    with pytest.raises(ModelMismatchError, match=r"^the model's per-layer embedding is \[512, 32\], its config says "
+                                                 r"\[512, 2 x 8\]$"):
+        hf.offload_per_layer_embeddings(model, source=ckpt)
+    assert isinstance(model.get_per_layer_input_embeddings(), torch.nn.Embedding)     # left as it was
+
+
+def test_offload_without_verification_checks_no_rows(ckpt):
+    model = _load(ckpt)
+    want = model.get_per_layer_input_embeddings().weight.detach().clone()
+    with hf.offload_per_layer_embeddings(model, source=ckpt, verify_rows=0) as h:
+        assert h.verified_rows == 0
+        assert h.max_abs_error != h.max_abs_error and h.rms_error != h.rms_error       # NaN: nothing measured
+        ids = torch.tensor([[9, 0, 511]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want[ids])
+    model2 = _load(ckpt)
+    with hf.offload_per_layer_embeddings(model2, source=ckpt, verify_rows=8) as h2:
+        assert h2.verified_rows >= 2 and h2.max_abs_error == 0.0                        # the same checkpoint
+
+
+def test_a_weight_shared_with_another_parameter_is_not_freed(ckpt, caplog):
+    import logging
+    model = _load(ckpt)
+    w = model.get_per_layer_input_embeddings().weight
+    model.register_parameter("gds_test_view", torch.nn.Parameter(w.detach()[:1], requires_grad=False))
+    want = w.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="gds_gather.hf"):
+        h = hf.offload_per_layer_embeddings(model, source=ckpt)
+    try:
+        assert "per-layer embedding weight is shared with another parameter: not freed" in caplog.text
+        assert h.bytes_freed == 0
+        assert torch.equal(model.gds_test_view, want[:1])                   # the other parameter is intact
+        ids = torch.tensor([[4, 2]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), want[ids])
+    finally:
+        h.close()
+
+
+def test_a_model_built_on_the_meta_device_gets_its_rows_from_disk(ckpt):
+    cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert model.get_per_layer_input_embeddings().weight.device.type == "meta"
+    ref = _load(ckpt).get_per_layer_input_embeddings().weight.detach()
+    with hf.offload_per_layer_embeddings(model, source=ckpt) as h:
+        assert h.bytes_freed == 0 and h.verified_rows == 0        # no weight to free, none to compare with
+        ids = torch.tensor([[1, 510, 1]])
+        assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), ref[ids])
