@@ -40,8 +40,9 @@ def get(name: str = "cuda") -> "Accel":
 
 
 class Accel:
-    """What the device data path needs from a device. Arrays: `empty` gives device bytes (cupy / numpy), `zeros`
-    and `pinned` torch tensors on the device / in page-locked host memory; streams are this accel's (any stream
+    """What the device data path needs from a device. Arrays: `empty` and `device_array` give device memory (cupy /
+    HostArray), `pinned_array` page-locked numpy arrays (no torch: Table's device path runs with cupy alone), `zeros`
+    and `pinned` torch tensors on the device / in page-locked host memory (the prefill's tokens and indices); streams are this accel's (any stream
     object the CUDA side accepts: None, an int handle, a cupy or torch stream)."""
 
     name = "?"
@@ -50,10 +51,10 @@ class Accel:
     # memory
     def empty(self, nbytes: int): raise NotImplementedError
     def grow(self, old, nbytes: int, keep: int, device_id: int = 0): raise NotImplementedError  # old[:keep] kept
-    def to_device(self, host: np.ndarray): raise NotImplementedError          # a torch device copy
-    def zeros(self, n: int, dtype): raise NotImplementedError
+    def device_array(self, n: int, dtype): raise NotImplementedError       # zeros of a numpy dtype (cupy / host)
+    def pinned_array(self, n: int, dtype): raise NotImplementedError       # page-locked numpy array, zeros
+    def zeros(self, n: int, dtype): raise NotImplementedError              # torch tensors (the prefill's trunk)
     def pinned(self, n: int, dtype): raise NotImplementedError
-    def tensor(self, dev): raise NotImplementedError        # a torch view of device bytes (no copy)
     def mapped(self, nbytes: int): raise NotImplementedError  # (host uint8 view, device pointer, owner)
     def pin(self, staging, mapped: bool) -> None: raise NotImplementedError
     def device_view(self, host: np.ndarray): raise NotImplementedError
@@ -119,9 +120,14 @@ class CudaAccel(Accel):
                 cp.cuda.Device().synchronize()
         return new
 
-    def to_device(self, host):
-        import torch
-        return torch.from_numpy(host).to(self.device)
+    def device_array(self, n, dtype):
+        return self._cp().zeros(int(n), dtype)
+
+    def pinned_array(self, n, dtype):
+        dt = np.dtype(dtype)
+        a = np.frombuffer(self._cp().cuda.alloc_pinned_memory(max(1, int(n)) * dt.itemsize), dt, int(n))
+        a[:] = 0
+        return a
 
     def zeros(self, n, dtype):
         import torch
@@ -130,10 +136,6 @@ class CudaAccel(Accel):
     def pinned(self, n, dtype):
         import torch
         return torch.zeros(n, dtype=dtype, pin_memory=True)
-
-    def tensor(self, dev):
-        import torch
-        return torch.as_tensor(dev, device=self.device)
 
     def mapped(self, nbytes):
         cp = self._cp()
@@ -448,17 +450,17 @@ class HostAccel(Accel):
             new[:keep] = old[:keep]
         return new
 
-    def to_device(self, host):
-        return self.torch.from_numpy(np.array(host))
+    def device_array(self, n, dtype):
+        return _dev(np.zeros(int(n), dtype))
+
+    def pinned_array(self, n, dtype):
+        return np.zeros(int(n), dtype)
 
     def zeros(self, n, dtype):
         return self.torch.zeros(n, dtype=dtype)
 
     def pinned(self, n, dtype):
         return self.torch.zeros(n, dtype=dtype)
-
-    def tensor(self, dev):
-        return self.torch.from_numpy(_np(dev))
 
     def mapped(self, nbytes):
         a = np.zeros(nbytes, np.uint8)
@@ -483,7 +485,7 @@ class HostAccel(Accel):
         return int(a.data_ptr()) if arrays.kind(a) == "torch" else int(np.asarray(a).ctypes.data)
 
     def h2d(self, dst, src, nbytes, stream, dst_offset=0):
-        d = _np(dst)
+        d = _np(dst).reshape(-1).view(np.uint8)      # bytes, as cudaMemcpyAsync copies them
 
         def copy():
             d[dst_offset:dst_offset + nbytes] = src.reshape(-1).view(np.uint8)[:nbytes]

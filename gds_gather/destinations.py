@@ -1,49 +1,87 @@
-"""Where the GPU prefill's rows go: one object per destination, each with or without the device row cache.
+"""Where rows that must end in device memory go: one object per destination, each with or without the device row
+cache. The GPU prefill (two slots, sized once, inside CUDA graphs) and Table's device path (one slot, grown as
+plans need) build the same objects.
 
-Every destination owns its two staging slots. Host side, `stage(plan, s)` reads the ubatch's rows (through the
-row cache or the device row cache) and fills slot s's pinned buffers; device side, inside the (captured) step,
-`inputs(s, N)` queues the slot's copies and gives the kernel its (staging, row offsets), and `after(s)` queues
-what follows the kernel (the cache's admissions). `scrub(s)` makes a step released without its staging harmless.
-Every buffer is allocated once, sized for the largest plan (schedule.staging_bound); `check(plan, s)` refuses a
-plan beyond a slot's captured staging before anything is read. Device work goes through `accel` only.
+Every destination owns its slots (one reader each). Host side, `stage(plan, s)` reads the batch's rows (through
+the cached source, source.through) and fills slot s's pinned buffers; device side, `inputs(s, n, stream)` queues
+the slot's copies and gives the kernel its (staging, row offsets) for a batch of n ids, and `after(s, stream)`
+queues what follows the kernel (the cache's admissions). `scrub(s)` makes a step released without its staging
+harmless. Every buffer is allocated at construction, sized by `Spec`; `check(plan, s)` refuses a plan beyond a
+slot's staging before anything is read. Device work goes through `accel` only, with numpy dtypes: no torch here.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import devcache, rowcache
+from . import devcache, rowcache, source
+from .errors import StagingCapacityError
+from .readers import HOST_READERS
 from .schedule import check_fits
 
 log = logging.getLogger(__name__)
+KEPT_WHILE_QUEUED: list = []    # readers of destinations closed with device work queued: never unmapped
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a destination is built for: `table`'s rows on `accel`, read by `backend` (or cuFile for gds), at most
+    `n_ids` row ids per batch, `slots` staging slots, `bound` bytes of window staging per slot (a plan's windows
+    must fit; schedule.staging_bound_for gives the most any plan of n_ids can need)."""
+    table: object
+    accel: object
+    backend: str
+    n_ids: int
+    bound: int
+    slots: int = 2
+
+    def new_reader(self, mode: str):
+        t = self.table
+        if mode == "gds":
+            from .device import GdsReader
+            return t.region.open(GdsReader, t.config, accel=self.accel)
+        return t.region.open(HOST_READERS[self.backend], t.config)
 
 
 class Destination:
     name = "?"
     dc = None               # the device row cache (devcache.DeviceRowCache) of the cached destinations
 
-    def __init__(self, p, readers=()):
-        self.p, self.accel, self.t = p, p.accel, p.t
+    def __init__(self, spec: Spec, readers=()):
+        self.spec, self.accel, self.t, self.N = spec, spec.accel, spec.table, spec.n_ids
         self.readers = list(readers)
-        self.capacity = [None, None]          # bytes of captured staging per slot (None: compact, N rows fit)
+        self.capacity = [None] * spec.slots     # bytes of window staging per slot (None: compact, N rows fit)
         self.odirect = False
 
     @property
     def how(self) -> str:
-        return f" ({self.readers[0].how})" if self.readers else ""
+        return f"{self.name} ({self.readers[0].how})" if self.readers else self.name
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.readers)
+
+    @property
+    def cache(self):
+        """The device cache's index (rowcache.RowCache), or None."""
+        return self.dc.index if self.dc is not None else None
 
     def check(self, plan, s: int) -> None:
+        if plan.n_unique > self.N:
+            raise StagingCapacityError(f"this batch has {plan.n_unique:,} unique rows; a slot of this destination "
+                                       f"holds {self.N:,}")
         if self.capacity[s] is not None:
             check_fits(plan, self.capacity[s], self.odirect, f"captured staging of slot {s}")
 
     def stage(self, plan, s: int) -> None:
         raise NotImplementedError
 
-    def inputs(self, s: int, N: int):
+    def inputs(self, s: int, n: int, stream):
         raise NotImplementedError
 
-    def after(self, s: int) -> None:
+    def after(self, s: int, stream) -> None:
         pass
 
     def scrub(self, s: int) -> None:
@@ -56,62 +94,83 @@ class Destination:
         """A run failed: the device may not have done what the host recorded."""
 
     def close(self, busy: bool) -> None:
-        pass
+        """Close the readers (busy: device work that may read their staging is still queued: they are kept
+        mapped for the process's life instead) and give the device cache back (busy: never lend it again)."""
+        readers, self.readers = self.readers, []
+        if busy:
+            KEPT_WHILE_QUEUED.append(readers)
+        first = None
+        for r in [] if busy else readers:
+            try:
+                r.close()
+            except BaseException as e:      # noqa: B036 (every close is tried, then the first error raised)
+                first = first or e
+        if self.dc is not None:
+            (devcache.discard if busy else devcache.release)(self.dc)
+            self.dc = None
+        if first is not None:
+            raise first
 
 
 class _Offsets(Destination):
     """Destinations whose kernel reads rows at per-slot byte offsets (pinned, copied up in the step)."""
 
-    def __init__(self, p, readers=()):
-        super().__init__(p, readers)
-        a, N = self.accel, p.N
-        self.offs_pin = [a.pinned(N, p.torch.int64) for _ in range(2)]
-        self.offs_d = a.zeros(N, p.torch.int64)
-        self.views = [None, None]
+    def __init__(self, spec, readers=()):
+        super().__init__(spec, readers)
+        a, N = self.accel, self.N
+        self.offs_pin = [a.pinned_array(N, np.int64) for _ in range(spec.slots)]
+        self.offs_d = a.device_array(N, np.int64)
+        self.views = [None] * spec.slots
 
     def put(self, s: int, offs: np.ndarray) -> None:
-        self.offs_pin[s].numpy()[:offs.shape[0]] = offs
+        self.offs_pin[s][:offs.shape[0]] = offs
 
-    def inputs(self, s, N):
-        self.accel.copy(self.offs_d[:N], self.offs_pin[s][:N], self.p.stream)
+    def inputs(self, s, n, stream):
+        self.accel.h2d(self.offs_d, self.offs_pin[s], 8 * n, stream)
         return self.views[s], self.offs_d
 
     def scrub(self, s):
-        self.offs_pin[s].numpy()[:] = 0
+        self.offs_pin[s][:] = 0
 
 
 class Resident(_Offsets):
     """The upper bound: the whole table in device memory, no I/O at all."""
     name = "resident"
 
-    def __init__(self, p):
-        super().__init__(p)
-        r = self.t.region
-        self.table_d = self.accel.to_device(np.fromfile(r.path, np.uint8, r.n_bytes, offset=r.data_offset))
-        self.views = [self.table_d, self.table_d]
+    def __init__(self, spec):
+        super().__init__(spec)
+        r, a = self.t.region, self.accel
+        self.table_d = a.empty(r.n_bytes)
+        a.upload(self.table_d, np.fromfile(r.path, np.uint8, r.n_bytes, offset=r.data_offset), None)
+        a.synchronize(None)
+        self.views = [self.table_d] * spec.slots
 
     def stage(self, plan, s):
         self.put(s, plan.row_offsets - self.t.data_offset)
 
 
 class Copy(Destination):
-    """A host reader (through the row cache) compacts rows into pinned memory; the step copies N x row_bytes up."""
+    """A host reader (through the row cache) compacts rows into pinned memory; the step copies n x row_bytes up."""
     name = "copy"
 
-    def __init__(self, p, readers):
-        super().__init__(p, readers)
-        a, torch, nb = self.accel, p.torch, p.N * self.t.row_bytes
-        self.rows_pin = [a.pinned(nb, torch.uint8) for _ in range(2)]
-        self.rows_d = a.zeros(nb, torch.uint8)
-        self.offs_compact = a.to_device(np.arange(p.N, dtype=np.int64) * self.t.row_bytes)
+    def __init__(self, spec, readers):
+        super().__init__(spec, readers)
+        a, N, rb = self.accel, self.N, self.t.row_bytes
+        self.rows_pin = [a.pinned_array(N * rb, np.uint8) for _ in range(spec.slots)]
+        self.rows_d = a.empty(N * rb)
+        self.offs_compact = a.device_array(N, np.int64)     # row k at k x row_bytes, uploaded by the first step
+        self.offs_ready = False
 
     def stage(self, plan, s):
         rows = rowcache.read_through(self.t, self.readers[s], plan)
-        self.rows_pin[s].numpy()[:rows.size] = rows.reshape(-1)
+        self.rows_pin[s][:rows.size] = rows.reshape(-1)
 
-    def inputs(self, s, N):
-        nb = N * self.t.row_bytes
-        self.accel.copy(self.rows_d[:nb], self.rows_pin[s][:nb], self.p.stream)
+    def inputs(self, s, n, stream):
+        a = self.accel
+        if not self.offs_ready:     # (on the caller's stream; a prefill's warm-up step runs it before capture)
+            a.upload(self.offs_compact, np.arange(self.N, dtype=np.int64) * self.t.row_bytes, stream)
+            self.offs_ready = True
+        a.h2d(self.rows_d, self.rows_pin[s], n * self.t.row_bytes, stream)
         return self.rows_d, self.offs_compact
 
 
@@ -119,14 +178,14 @@ class ZeroCopy(_Offsets):
     """Unified memory: the kernel reads the compact rows in place in the slot's GPU-mapped staging."""
     name = "zero-copy"
 
-    def __init__(self, p, readers, bound: int):
-        super().__init__(p, readers)
+    def __init__(self, spec, readers):
+        super().__init__(spec, readers)
         a, rb = self.accel, self.t.row_bytes
         for s, r in enumerate(self.readers):
             a.pin(r.staging, mapped=True)
-            host = r.staging.ensure(bound if r.odirect else p.N * rb)   # fixed address from now on
+            host = r.staging.ensure(spec.bound if r.odirect else self.N * rb)   # fixed address from now on
             self.capacity[s] = int(host.nbytes)
-            self.views[s] = a.tensor(a.device_view(host))
+            self.views[s] = a.device_view(host)
         self.odirect = self.readers[0].odirect
 
     def stage(self, plan, s):
@@ -139,12 +198,11 @@ class Gds(_Offsets):
     """cuFile reads each slot's windows into the slot's device staging before the step."""
     name = "gds"
 
-    def __init__(self, p, readers, bound: int):
-        super().__init__(p, readers)
+    def __init__(self, spec, readers):
+        super().__init__(spec, readers)
         for s, r in enumerate(self.readers):
-            buf = r.dev.ensure(bound)
-            self.capacity[s] = int(buf.nbytes)
-            self.views[s] = self.accel.tensor(buf)
+            self.views[s] = r.dev.ensure(spec.bound)
+            self.capacity[s] = int(self.views[s].nbytes)
         self.odirect = True
 
     def stage(self, plan, s):
@@ -156,14 +214,14 @@ class _Cached(_Offsets):
     """The device row cache (devcache.py): one pool [slots | fresh area]; per slot the pinned control counts and
     admissions. Every address is fixed from here on (graphs capture them)."""
 
-    def __init__(self, p, readers, dc):
-        super().__init__(p, readers)
-        a, torch, N = self.accel, p.torch, p.N
+    def __init__(self, spec, readers, dc):
+        super().__init__(spec, readers)
+        a, N = self.accel, self.N
         self.dc = dc
-        self.ctl_pin = [a.pinned(2, torch.int64) for _ in range(2)]
-        self.adm_pin = [a.pinned(2 * N, torch.int64) for _ in range(2)]
-        self.ctl_d = a.zeros(2, torch.int64)
-        self.adm_d = a.zeros(2 * N, torch.int64)
+        self.ctl_pin = [a.pinned_array(2, np.int64) for _ in range(spec.slots)]
+        self.adm_pin = [a.pinned_array(2 * N, np.int64) for _ in range(spec.slots)]
+        self.ctl_d = a.device_array(2, np.int64)
+        self.adm_d = a.device_array(2 * N, np.int64)
 
     @property
     def how(self) -> str:
@@ -171,49 +229,43 @@ class _Cached(_Offsets):
 
     def _pool(self, pool) -> None:
         self.pool = pool
-        self.pool_view = self.accel.tensor(pool)
-        self.views = [self.pool_view, self.pool_view]
+        self.views = [pool] * self.spec.slots
 
-    def put_staged(self, s: int, got) -> None:
+    def stage_rows(self, plan, s: int, store) -> None:
+        got = source.through(self.t, self.readers[s], plan, store)
         n_adm = got.adm_src.shape[0]
-        adm = self.adm_pin[s].numpy()
+        adm = self.adm_pin[s]
         adm[:n_adm] = got.adm_src
-        adm[self.p.N:self.p.N + n_adm] = got.adm_dst
-        self.ctl_pin[s].numpy()[:] = (got.fresh_words, n_adm)
+        adm[self.N:self.N + n_adm] = got.adm_dst
+        self.ctl_pin[s][:] = (got.fresh_words, n_adm)
         self.put(s, got.offsets)
 
-    def inputs(self, s, N):
-        a, st = self.accel, self.p.stream
-        a.copy(self.ctl_d, self.ctl_pin[s], st)
-        a.copy(self.adm_d, self.adm_pin[s], st)
-        self.fresh_up(s)
-        return super().inputs(s, N)
+    def inputs(self, s, n, stream):
+        a = self.accel
+        a.h2d(self.ctl_d, self.ctl_pin[s], 16, stream)
+        a.h2d(self.adm_d, self.adm_pin[s], 16 * self.N, stream)
+        self.fresh_up(s, stream)
+        return super().inputs(s, n, stream)
 
-    def fresh_up(self, s: int) -> None:
+    def fresh_up(self, s: int, stream) -> None:
         pass
 
-    def after(self, s):     # admissions: after the dequant read this ubatch's rows
+    def after(self, s, stream):     # admissions: after the dequant read this batch's rows
         a = self.accel
         adm = a.ptr(self.adm_d)
-        a.copy_rows(a.ptr(self.pool_view), adm, adm + 8 * self.p.N, a.ptr(self.ctl_d), self.t.row_bytes, self.p.N,
-                    self.p.stream, self.dc.device_id)
+        a.copy_rows(a.ptr(self.pool), adm, adm + 8 * self.N, a.ptr(self.ctl_d), self.t.row_bytes, self.N,
+                    stream, self.dc.device_id)
 
     def scrub(self, s):
         super().scrub(s)
-        self.ctl_pin[s].numpy()[:] = 0
+        self.ctl_pin[s][:] = 0
 
     def warm(self):
         for c in self.ctl_pin:      # warm-up steps run for real: no stale copies or admissions
-            c.numpy()[:] = 0
+            c[:] = 0
 
     def failed(self):
         self.dc.clear()
-
-    def close(self, busy):
-        if busy:
-            devcache.discard(self.dc)
-        else:
-            devcache.release(self.dc)   # nothing queued: the next holder (another stream) may use the pool
 
 
 class CachedCopy(_Cached):
@@ -221,57 +273,78 @@ class CachedCopy(_Cached):
     fresh area by gg_copy_words (whose size the device reads: only misses cross PCIe)."""
     name = "copy"
 
-    def __init__(self, p, readers, dc):
-        super().__init__(p, readers, dc)
-        nb = -(-p.N * self.t.row_bytes // 8) * 8
+    def __init__(self, spec, readers, dc):
+        super().__init__(spec, readers, dc)
+        nb = -(-self.N * self.t.row_bytes // 8) * 8
         self._pool(dc.ensure(nb))
-        self.fresh = [self.accel.mapped(nb) for _ in range(2)]     # (host view, device pointer, owner)
+        self.fresh = [self.accel.mapped(nb) for _ in range(spec.slots)]     # (host view, device pointer, owner)
         self.fresh_words_max = nb // 8
 
     def stage(self, plan, s):
-        self.put_staged(s, devcache.stage(self.dc, self.t, self.readers[s], plan, fresh=self.fresh[s][0]))
+        self.stage_rows(plan, s, source.DeviceRows(self.dc, fresh=self.fresh[s][0]))
 
-    def fresh_up(self, s):
+    def fresh_up(self, s, stream):
         a = self.accel
-        a.copy_words(self.fresh[s][1], a.ptr(self.pool_view) + self.dc.fresh_base, a.ptr(self.ctl_d),
-                     self.fresh_words_max, self.p.stream, self.dc.device_id)
+        a.copy_words(self.fresh[s][1], a.ptr(self.pool) + self.dc.fresh_base, a.ptr(self.ctl_d),
+                     self.fresh_words_max, stream, self.dc.device_id)
 
 
 class CachedGds(_Cached):
     """Hits in the pool's slots; cuFile reads the misses' windows into the slot's region of the fresh area."""
     name = "gds"
 
-    def __init__(self, p, readers, dc, bound: int):
-        super().__init__(p, readers, dc)
-        step = -(-bound // devcache.FRESH_ALIGN) * devcache.FRESH_ALIGN
-        pool = dc.ensure(2 * step)
-        self.region = [dc.fresh_base + s * step for s in range(2)]
+    def __init__(self, spec, readers, dc):
+        super().__init__(spec, readers, dc)
+        step = -(-spec.bound // devcache.FRESH_ALIGN) * devcache.FRESH_ALIGN
+        pool = dc.ensure(spec.slots * step)
+        self.region = [dc.fresh_base + s * step for s in range(spec.slots)]
         for s, r in enumerate(self.readers):
-            r.dev.buf = pool[self.region[s]:self.region[s] + bound]     # cuFile reads land in the pool
-            self.capacity[s] = bound
+            r.dev.buf = pool[self.region[s]:self.region[s] + spec.bound]     # cuFile reads land in the pool
+            self.capacity[s] = spec.bound
         self.odirect = True
         self._pool(pool)
 
     def stage(self, plan, s):
-        self.put_staged(s, devcache.stage(self.dc, self.t, self.readers[s], plan, region=self.region[s]))
+        self.stage_rows(plan, s, source.DeviceRows(self.dc, region=self.region[s]))
 
 
-def build(p, mode: str, bound: int, dc):
-    """The destination of `mode` (with `dc`, the device row cache, where given) for prefill `p`; (destination,
-    mode): zero-copy needs readers with staging, and becomes copy (said in the log) without."""
+def build(spec: Spec, mode: str, dc=None) -> tuple[Destination, str]:
+    """The destination of `mode` (with `dc`, the device row cache, where given) for `spec`; (destination, mode):
+    zero-copy needs readers with staging, and becomes copy (said in the log) without. On an error the readers
+    opened and the cache are given back."""
     if mode == "resident":
-        return Resident(p), mode
-    readers = [p.new_reader(), p.new_reader()]
+        devcache.release(dc)
+        return Resident(spec), mode
+    if mode not in ("gds", "zero-copy", "copy"):
+        devcache.release(dc)
+        raise ValueError(f"unknown destination mode {mode!r}")
+    readers = []
     try:
+        readers = [spec.new_reader(mode) for _ in range(spec.slots)]
         if mode == "zero-copy" and readers[0].staging is None:
-            log.info("prefill: %s returns fresh arrays (no staging to map): copy instead of zero-copy",
-                     readers[0].name)
+            log.info("%s returns fresh arrays (no staging to map): copy instead of zero-copy", readers[0].name)
             mode = "copy"
         if dc is not None:
-            return (CachedGds(p, readers, dc, bound) if mode == "gds" else CachedCopy(p, readers, dc)), mode
-        return {"gds": lambda: Gds(p, readers, bound), "zero-copy": lambda: ZeroCopy(p, readers, bound),
-                "copy": lambda: Copy(p, readers)}[mode](), mode
+            return (CachedGds(spec, readers, dc) if mode == "gds" else CachedCopy(spec, readers, dc)), mode
+        return {"gds": Gds, "zero-copy": ZeroCopy, "copy": Copy}[mode](spec, readers), mode
     except BaseException:
+        devcache.release(dc)
         for r in readers:
             r.close()
         raise
+
+
+class LastStream:
+    """The stream of the last device work that reads a destination's staging (and the caller's stream object,
+    kept alive), to wait for before the staging is rewritten by another stream, unpinned, unmapped or freed."""
+
+    def __init__(self, accel):
+        self.accel, self.caller, self.stream, self.key = accel, None, None, None
+
+    def used(self, caller, stream) -> None:
+        self.caller, self.stream, self.key = caller, stream, self.accel.key(stream)
+
+    def wait(self) -> None:
+        s, self.caller, self.stream, self.key = self.stream, None, None, None
+        if s is not None:
+            self.accel.synchronize(s)

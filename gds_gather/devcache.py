@@ -2,8 +2,8 @@
 
 One device byte pool per cache: ``[cache slots: capacity x row_bytes | fresh area]``. The host keeps the index and
 the policy (a `rowcache.RowCache(store=False)`, the same TinyLFU policy and budget as the host cache); the bytes
-of cached rows exist only in the pool. Per ubatch the host (`stage`) looks the unique rows up, reads only the
-misses, and writes for the device: one offsets array (hits: ``slot x row_bytes``; misses: where the fresh row will
+of cached rows exist only in the pool. Per ubatch the host (source.through with `source.DeviceRows`) looks the
+unique rows up, reads only the misses, and writes for the device: one offsets array (hits: ``slot x row_bytes``; misses: where the fresh row will
 be in the pool), the admissions (fresh offset -> slot offset) and two counts. The device then, in stream order
 (pipeline.GpuPrefill, in the graph):
 
@@ -14,7 +14,7 @@ be in the pool), the admissions (fresh offset -> slot offset) and two counts. Th
 2. the dequant kernel reads hits and fresh rows through the one offsets array, in the same launch;
 3. `gg_copy_rows` copies the admitted fresh rows into their slots.
 
-Why a hit is never a wrong row: the host index changes only in `stage`, in ubatch order, and the device applies
+Why a hit is never a wrong row: the host index changes only in that host step, in ubatch order, and the device applies
 each ubatch's admissions after that ubatch's dequant, on one stream, in the same order; a slot the host evicts
 for ubatch k+1 is rewritten by k+1's step, which runs after k's step finished reading it; the current ubatch's
 hits are never victims (`protect`). The fresh area is shared by the slots' steps (copy) or split per slot (gds:
@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import rowcache
 from .arrays import cupy_stream
-from .planner import ReadPlan, replan
 
 FRESH_ALIGN = 4096          # the fresh area and the gds slot regions start page-aligned (cuFile, 8-byte copies)
 COPY_BLOCK = 256
@@ -122,61 +120,6 @@ def drop_all() -> None:
     with _LOCK:
         for k in [k for k, v in _POOLS.items() if not v.in_use]:
             del _POOLS[k]
-
-
-@dataclass
-class Staged:
-    """What one ubatch asks of the device (see the module docstring)."""
-    offsets: np.ndarray      # int64 [U]: byte offset of each unique row in the pool
-    fresh_words: int         # 8-byte words of fresh rows to copy into the fresh area (copy mode; 0 for gds)
-    adm_src: np.ndarray      # int64 [A]: pool offsets of admitted fresh rows
-    adm_dst: np.ndarray      # int64 [A]: pool offsets of their slots
-    hits: int
-    from_page_cache: int
-    from_device: int
-
-
-def stage(dc: DeviceRowCache, table, reader, plan: ReadPlan, *, fresh: np.ndarray | None = None,
-          region: int | None = None) -> Staged:
-    """Look up, read the misses and admit them, for one ubatch.
-
-    copy mode: `fresh` is the slot's host buffer (uint8): the misses are read and packed there, to land at
-    fresh_base in the pool. gds mode: `region` is the pool offset of the slot's region; `reader.fetch(plan,
-    read_windows)` reads the misses' windows there. Counts go into table.io (Table.stats()).
-    """
-    c, rb, U, io = dc.index, plan.row_bytes, plan.n_unique, table.io
-    slots, g = c.lookup_gen(plan.unique_rows)
-    hit = slots >= 0
-    nh = int(hit.sum())
-    offs = np.empty(U, np.int64)
-    offs[hit] = slots[hit] * rb
-    words, src, dst, pc = 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0
-    if nh == U:
-        reader.check_file()                 # no read follows: hits must not outlive a changed file
-    else:
-        miss = ~hit
-        rows = plan.unique_rows[miss]
-        mplan = replan(plan, table.config, rows) if nh else plan
-        pc0 = reader.rows_from_page_cache
-        if region is None:
-            got = reader.read(mplan)
-            nb = got.size
-            fresh[:nb] = got.reshape(-1)
-            fo = dc.fresh_base + np.arange(rows.shape[0], dtype=np.int64) * rb
-            words = -(-nb // 8)
-        else:
-            reader.read_windows(mplan)
-            fo = int(region) + mplan.row_staging
-        pc = rowcache.count_reader(io, reader, pc0, U - nh)
-        offs[miss] = fo
-        with c.lock:
-            new = c.admit(rows, None, protect=slots[hit], gen=g)
-        a = new >= 0
-        src, dst = fo[a], new[a] * rb
-    io["cache_hits"] += nh
-    io["rows_from_cache"] += nh
-    io["cache_misses"] += U - nh
-    return Staged(offs, words, src, dst, nh, pc, U - nh - pc)
 
 
 # -- the device side -------------------------------------------------------------------------------------------

@@ -30,12 +30,11 @@ from . import devcache, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import BackendError
+from .destinations import Spec, build
 from .graph import refused_in
-from .readers import HOST_READERS
 from .schedule import graph_mode, run_ubatches, staging_bound_for
 
 log = logging.getLogger(__name__)
-_KEPT_WHILE_QUEUED: list = []   # readers of prefills closed with GPU work queued: their staging is never unmapped
 
 
 @dataclass
@@ -120,21 +119,14 @@ class GpuPrefill:
         if name == "resident":
             mode = "resident"
         self.backend, self.mode = name, mode
-        # device-resident row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the
-        # host cache in place
-        dc = (devcache.acquire(table, self.accel.prefill_device(), self.accel)
-              if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
         self.dest, self.closed, self.stream = None, False, None
         try:
-            self._setup(table, mapper, ubatch, trunk, seed, dc)
+            self._setup(table, mapper, ubatch, trunk, seed)
         except BaseException:
-            if self.dest is None:
-                devcache.release(dc)
-            self.close()            # the cache goes back (or a half-built pipeline would hold it forever)
+            self.close()
             raise
 
-    def _setup(self, table, mapper, ubatch, trunk, seed, dc) -> None:
-        from .destinations import build
+    def _setup(self, table, mapper, ubatch, trunk, seed) -> None:
         torch, a = self.torch, self.accel
         self.stream = a.stream()
         self.trunk = None if trunk == "none" else _trunk_for(table, mapper, self.dev, self.tdtype, trunk, seed)
@@ -156,12 +148,16 @@ class GpuPrefill:
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
         # gds: KvikIO uses GPU-direct only for 4 KiB-aligned windows; the host engine's may be finer (wide rows)
         self.align = table.gds_align if self.mode == "gds" else table.align
-        bound = staging_bound_for(table, self.N, self.align)
-        self.dest, self.mode = build(self, self.mode, bound, dc)
+        spec = Spec(table, a, self.backend, self.N, staging_bound_for(table, self.N, self.align))
+        # the device row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the host
+        # cache in place
+        dc = (devcache.acquire(table, a.prefill_device(), a)
+              if self.mode in ("copy", "gds") and self.backend in rowcache.CACHED_BACKENDS else None)
+        self.dest, self.mode = build(spec, self.mode, dc)
         self.graphs: dict = {}
         self.g_events: dict = {}
         self.stats = Stats()
-        self.how = f"{self.backend} -> {self.mode}{self.dest.how}; {self.graph_why}"
+        self.how = f"{self.backend} -> {self.dest.how}; {self.graph_why}"
 
     @property
     def readers(self) -> list:
@@ -171,13 +167,6 @@ class GpuPrefill:
         """Run eagerly from now on (before any replay: the graphs made so far are dropped)."""
         log.warning("prefill: %s", why)
         self.graph, self.graph_why, self.flags, self.graphs = False, why, None, {}
-
-    def new_reader(self):
-        """A reader of the table for one staging slot: cuFile for gds, else the host backend."""
-        if self.mode == "gds":
-            from .device import GdsReader
-            return self.t.region.open(GdsReader, self.cfg, accel=self.accel)
-        return self.t.region.open(HOST_READERS[self.backend], self.cfg)
 
     # -- the device step: everything that is captured -----------------------------------------------------------
     def _step(self, n: int, s: int, wait: bool, ev=None):
@@ -193,10 +182,10 @@ class GpuPrefill:
         N = n * self.R
         a.copy(self.tokens_d[:n], self.tokens_pin[s][:n], st)
         a.copy(self.inv_d[:N], self.inv_pin[s][:N], st)
-        staging, offs = self.dest.inputs(s, N)
+        staging, offs = self.dest.inputs(s, N, st)
         rows = a.gather(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype, stream=st,
                         **self.kargs)
-        self.dest.after(s)
+        self.dest.after(s, st)
         if wait:
             self.flags.write(st, s, 0)
         if ev is not None:
@@ -373,13 +362,8 @@ class GpuPrefill:
         busy = self.stream is not None and not self.accel.query(self.stream)
         if busy:
             log.error("prefill: work still queued at close; its staging is kept and its device row cache discarded")
-            _KEPT_WHILE_QUEUED.append(self.readers)
-        else:
-            for r in self.readers:
-                r.close()
         if self.dest is not None:
             self.dest.close(busy)
-            self.dest.readers = []
 
 
 def _as_torch(a: np.ndarray):

@@ -82,7 +82,7 @@ def default_threads(config: Config) -> int:
 
 
 class RowReader(Protocol):
-    """What the chain (rowcache.read_through, devcache.stage, the device sinks) asks of a reader: every reader
+    """What the chain (source.through, the destinations) asks of a reader: every reader
     declares each capability (Reader's defaults), none is probed."""
     name: str
     how: str
@@ -181,7 +181,7 @@ class Staging:
     at a new size so pays once for faulting in its new pages and nothing for the old ones (the old buffer was
     replaced by a fresh one of the next power of two, every page faulted in again and re-registered).
     Hooks: on_grow(buf) after each growth (io_uring buffer registration), and `pin(buf)` / `unpin(buf)` set by a
-    GPU sink to page-lock the buffer for the GPU (see device.py).
+    destination to page-lock (and GPU-map) the buffer (see device.py).
     """
 
     RESERVE_MIN = 1 << 30

@@ -26,8 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import forksafe, hotrows
-from .planner import replan
+from . import forksafe, hotrows, source
 from .storage import close_mapping
 
 log = logging.getLogger(__name__)
@@ -368,6 +367,21 @@ class RowCache:
             self.admitted += pick.shape[0]
         return out
 
+    def copy_hits(self, slots: np.ndarray, unique_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy the hits' rows (slots >= 0) into out; returns the hits whose slot no longer holds their row
+        (evicted, the cache cleared or closed since the look-up), which out does not have right."""
+        hit = slots >= 0
+        with self.lock:
+            if not self.data.shape[0] or self._dirty:     # closed, or an interrupted admission/emptying
+                if self._dirty:
+                    self._empty()
+                return hit
+            if 2 * int(hit.sum()) >= slots.shape[0]:    # mostly hits: one gather of every row (the misses' rows get
+                np.take(self.data, slots, axis=0, out=out, mode="clip")   # overwritten), not a gather then a scatter
+            else:
+                out[hit] = self.data[slots[hit]]
+            return hit & (self.slot_row[np.maximum(slots, 0)] != unique_rows)
+
     def prefault(self, k: int) -> None:
         """Fault in the pages of the next k free slots (where the next admissions land) without changing their
         bytes (MADV_POPULATE_WRITE, Linux 5.14+; nothing where the kernel lacks it). Called while a read is in
@@ -504,143 +518,26 @@ def drop_all() -> None:
 
 
 def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
-    """read_through for sorted unique row ids without a plan where the row cache holds every row (a decode step's
-    one or few tokens: planning one row costs more than the whole hit path; docs/decisions.md); otherwise
-    the rows are planned and read through, with this lookup's result (nothing is counted twice)."""
+    """read_through for sorted unique row ids, planned only where the row cache lacks some (a decode step's one or
+    few tokens: planning one row costs more than the whole hit path; docs/decisions.md). Rows the page cache
+    held are admitted too: for a few rows the page-cache path's per-call cost, not the I/O, is what a hit saves."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
-    looked = None
-    if cache is not None and rows.shape[0]:
-        with cache.lock:
-            g = cache.gen
-            slots = cache.lookup(rows)
-            if (slots >= 0).all():
-                out = cache.data.take(slots, axis=0)
-                looked = (g, slots, out)
-            else:
-                looked = (g, slots, None)
-        if looked[2] is not None:
-            reader.check_file()      # (as read_through's all-hits path: hits must not outlive a change)
-            table.io["cache_hits"] += rows.shape[0]
-            table.io["rows_from_cache"] += rows.shape[0]
-            return out
-    return read_through(table, reader, table.plan(rows), looked=looked and looked[:2], admit_page_cache=True)
+    if cache is None or not rows.shape[0]:
+        return read_through(table, reader, table.plan(rows))
+    return source.through(table, reader, None, source.HostRows(cache, admit_page_cache=True), rows=rows)
 
 
-def read_through(table, reader, plan, looked=None, admit_page_cache: bool = False,
-                 io: dict | None = None) -> np.ndarray:
-    """The plan's unique rows (uint8 [U, row_bytes]): hits from the cache, misses read by `reader` and offered
-    to the cache. Counts into table.io (see Table.stats). looked: (cache.gen, slots) of a lookup of these rows
-    already made (read_unique's), instead of a second one. admit_page_cache: offer rows the reader copied from the
-    page cache too (read_unique: for a step of a few rows the per-call cost of the page-cache path, not the I/O, is
-    what a hit saves).
-
-    The hits are copied out while the misses' reads are in flight (the reader's during_io), not before the
-    reads are submitted (on the gemma4-e4b trace about 2/3 of a batch's unique rows are hits; docs/decisions.md). A
-    large read hands its first rows over while the rest is read (reader.read(on_rows=...),
-    readers.SPLIT_MIN): they are copied into out and admitted then. The cache lock is not held meanwhile, so
-    another Table's admission may evict a hit's slot between the lookup and the copy: the copy checks each slot
-    still holds its row, and rows evicted since are read with the misses' reader afterwards (never seen in the
-    benches; tested). io: the counters to count into (default table.io; a prefetch counts apart, prefetch.py)."""
-    io = table.io if io is None else io
-    U = plan.n_unique
-    if U == 0:
-        return np.empty((0, plan.row_bytes), np.uint8)
+def read_through(table, reader, plan, io: dict | None = None) -> np.ndarray:
+    """The plan's unique rows (uint8 [U, row_bytes]) through this file's row cache (source.through with host
+    storage), or straight from `reader` for a backend without one. Counts into io (default table.io)."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
-    pc0 = reader.rows_from_page_cache
-    if cache is None:
-        out = reader.read(plan)
-        count_reader(io, reader, pc0, U)
+    if cache is None or plan.n_unique == 0:
+        io = table.io if io is None else io
+        pc0 = reader.rows_from_page_cache
+        out = reader.read(plan) if plan.n_unique else np.empty((0, plan.row_bytes), np.uint8)
+        source.count_reader(io, reader, pc0, plan.n_unique)
         return out
-    with cache.lock:
-        g, slots = looked if looked else (cache.gen, cache.lookup(plan.unique_rows))
-        hit = slots >= 0
-        nh = int(hit.sum())
-        if nh == U:                  # all hits: one gather, as mmap's
-            out = cache.data.take(slots, axis=0)
-    io["cache_hits"] += nh
-    io["cache_misses"] += U - nh
-    if nh == U:                      # no reader call follows (it checks the file): hits must not outlive a change
-        reader.check_file()
-        io["rows_from_cache"] += nh
-        return out
-    miss = ~hit
-    rows = plan.unique_rows[miss]
-    if not nh:                       # every row missed: the reader's rows are the result
-        kw = {"during_io": lambda: cache.prefault(U)} if reader.overlaps_io else {}
-        fresh = reader.read(plan, **kw)
-        count_reader(io, reader, pc0, U)
-        _admit(cache, reader, rows, fresh, slots[hit], g, admit_page_cache)
-        return fresh
-    out = np.empty((U, plan.row_bytes), np.uint8)
-    miss_pos = np.flatnonzero(miss)
-    stale = []                       # [bool [U]: hits evicted before they were copied], once the hits are copied
-
-    def copy_hits():                 # before any miss is in out (the copy may write every row)
-        if not stale:
-            stale.append(_copy_hits(cache, slots, plan.unique_rows, out))
-
-    def during_io():
-        copy_hits()
-        cache.prefault(rows.shape[0])
-
-    def on_rows(lo, hi, fresh):      # the misses [lo, hi); a first part comes while the rest is read
-        copy_hits()
-        out[miss_pos[lo:hi]] = fresh
-        _admit(cache, reader, rows[lo:hi], fresh, slots[hit], g if hi - lo == rows.shape[0] else None,
-               admit_page_cache)
-    mplan = replan(plan, table.config, rows, table.align)
-    if reader.overlaps_io:
-        reader.read(mplan, during_io=during_io, on_rows=on_rows)
-    else:
-        on_rows(0, rows.shape[0], reader.read(mplan))
-    copy_hits()                      # (no read was made: all from the page cache)
-    n_stale = 0
-    if stale[0].any():               # evicted by another Table between the lookup and the copy: read them now
-        n_stale = int(stale[0].sum())
-        out[stale[0]] = reader.read(replan(plan, table.config, plan.unique_rows[stale[0]], table.align))
-    io["rows_from_cache"] += nh - n_stale
-    count_reader(io, reader, pc0, U - nh + n_stale)
-    return out
-
-
-def _admit(cache: RowCache, reader, rows: np.ndarray, fresh: np.ndarray, protect: np.ndarray, gen,
-           page_cache: bool = False) -> None:
-    """Offer rows just read to the cache: those the device delivered (a read's rows copied from the page cache
-    are not admitted, unless page_cache: reader.last_from_page_cache, when it covers these rows)."""
-    pc = None if page_cache else reader.last_from_page_cache
-    if pc is not None and pc.shape[0] == rows.shape[0]:
-        rows, fresh = rows[~pc], fresh[~pc]
-    with cache.lock:
-        cache.admit(rows, fresh, protect=protect, gen=gen)
-
-
-def _copy_hits(cache: RowCache, slots: np.ndarray, unique_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Copy the hits' rows (slots >= 0) from the cache into out; returns the hits whose slot no longer holds their
-    row (evicted, the cache cleared or closed since the lookup), which out does not have right."""
-    hit = slots >= 0
-    with cache.lock:
-        if not cache.data.shape[0] or cache._dirty:     # closed, or an interrupted admission/emptying
-            if cache._dirty:
-                cache._empty()
-            return hit
-        if 2 * int(hit.sum()) >= slots.shape[0]:    # mostly hits: one gather of every row (the misses' rows get
-            np.take(cache.data, slots, axis=0, out=out, mode="clip")   # overwritten), not a gather then a scatter
-        else:
-            out[hit] = cache.data[slots[hit]]
-        return hit & (cache.slot_row[np.maximum(slots, 0)] != unique_rows)
-
-
-def count_reader(io: dict, reader, pc0: int, n: int) -> int:
-    """Count n rows a reader delivered into io: those it copied from the page cache (its rows_from_page_cache
-    counter, pc0 before the read) and the rest from the device; returns the former. A buffered reader cannot
-    tell the two apart: its rows count as rows_buffered."""
-    if not reader.tells_source:
-        io["rows_buffered"] += n
-        return 0
-    pc = reader.rows_from_page_cache - pc0
-    io["rows_from_page_cache"] += pc
-    io["rows_from_device"] += n - pc
-    return pc
+    return source.through(table, reader, plan, source.HostRows(cache), io=io)
 
 
 IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "rows_buffered", "cache_hits",

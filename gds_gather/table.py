@@ -11,20 +11,19 @@ from pathlib import Path
 import numpy as np
 
 from . import accel as accel_mod
-from . import arrays, devcache, forksafe, quants, rowcache
+from . import arrays, destinations, devcache, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import (BackendError, BadIdsError, HeaderError, TableClosedError, TruncatedFileError,
-                     UnsupportedTypeError)
+from .errors import (BackendError, BadIdsError, HeaderError, StagingCapacityError, TableClosedError,
+                     TruncatedFileError, UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
-from .planner import ReadPlan, plan_rows, replan
+from .planner import ReadPlan, plan_rows, realign, replan
 from .prefetch import Prefetcher
 from .readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
 from .storage import filesystem
 
 log = logging.getLogger(__name__)
 
-_NO_GPU = object()          # Table._last_stream before any device fetch
 DEFAULT_TENSOR = "per_layer_token_embd.weight"
 
 
@@ -61,18 +60,20 @@ def _locked(method):
     return locked
 
 
-def _release(readers: dict, sinks: dict, ahead: dict) -> None:
+def _release(readers: dict, dests: dict, ahead: dict, last: list) -> None:
     """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): the prefetches
-    (each waits for its reads), the GPU sinks (each waits for the stream of its last fetch), then the readers
-    (unpin, unmap); every close is tried, then the first error is raised."""
+    (each waits for its reads), the device destinations (once the stream of the last device fetch is done with
+    their staging), then the readers (unpin, unmap); every close is tried, then the first error is raised."""
     first = None
-    for r in list(ahead.values()) + list(sinks.values()) + list(readers.values()):
+    closes = [r.close for r in ahead.values()] + [lw.wait for lw in last]
+    closes += [functools.partial(d.close, False) for d in dests.values()] + [r.close for r in readers.values()]
+    for close in closes:
         try:
-            r.close()
+            close()
         except BaseException as e:      # noqa: B036 (a KeyboardInterrupt too: the other closes still run)
             first = first or e
     ahead.clear()
-    sinks.clear()
+    dests.clear()
     readers.clear()
     if first is not None:
         raise first
@@ -115,7 +116,7 @@ class Table:
         self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
-        self._sinks: dict = {}          # GPU destinations, created on first GPU use
+        self._dests: dict = {}          # (backend, mode) -> its device destination (destinations.py), on first use
         self._ahead: dict[str, Prefetcher] = {}     # backend -> its prefetches (prefetch())
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
@@ -123,9 +124,9 @@ class Table:
         forksafe.track(self)                # ... and to use in a forked child
         self.io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # where rows came from (counters; see stats())
         self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
-        self._last_stream = _NO_GPU         # accel.key of the last device fetch's stream (another thread's may differ)
+        self._last: list = []               # [destinations.LastStream] of the device fetches, once there was one
         self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
-        self._fin = weakref.finalize(self, _release, self._readers, self._sinks, self._ahead)  # (never closed: frees)
+        self._fin = weakref.finalize(self, _release, self._readers, self._dests, self._ahead, self._last)
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property
@@ -229,24 +230,61 @@ class Table:
     def fetch_device(self, plan: ReadPlan, backend: str = "auto", stream=None):
         """Read the plan's rows into GPU memory: (device staging uint8, device byte offset of each unique row).
 
-        The rows stay where the reader put them (inside O_DIRECT windows, or compact) for a kernel to read in
-        place; they are valid until the next fetch on this table, which first waits for `stream`.
+        The rows stay where the destination put them (compact, inside O_DIRECT windows, or in the device row
+        cache) for a kernel to read in place; they are valid until the next fetch on this table, which first
+        waits for `stream`.
         """
-        sink = self._device_sink(backend, stream)
-        return sink.fetch(plan, stream)
+        name, mode, _ = self.device_choice(backend)
+        return self._fetch_device(plan, name, mode, stream, wait=True)
 
-    def _device_sink(self, backend: str, stream):
-        """The sink of `backend`'s device choice, once any other stream that read its staging is done."""
-        name, mode, why = self.device_choice(backend)
-        key = f"{name}@{mode}"
-        if key not in self._sinks:
-            log.info("%s: GPU rows via %s (%s): %s", self.path.name, key, why, self._sink(name, mode).how)
+    def _fetch_device(self, plan: ReadPlan, name: str, mode: str, stream, wait: bool):
+        """The plan through the (name, mode) destination's one slot, on `stream`. Another stream that read the
+        staging is waited for first, and so is `stream` (wait=False: the caller has waited for it)."""
         a = self.accel
-        handle = a.key(stream)
-        if self._last_stream is not _NO_GPU and self._last_stream != handle:
-            a.synchronize(a.current(self._last_stream))   # another stream may still read the staging
-        self._last_stream = handle
-        return self._sink(name, mode)
+        s = self._turn(stream)
+        if wait:
+            a.synchronize(s)            # the previous batch's consumers on this stream are done with it
+        if mode == "gds":
+            plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
+        dest = self._destination(name, mode, plan)
+        return _through_slot(dest, plan, s)
+
+    def _turn(self, stream):
+        """`stream` (as the accel's stream object) becomes the one that reads the staging: the last other stream
+        that read it is waited for first."""
+        a = self.accel
+        s = a.current(stream)
+        if not self._last:
+            self._last.append(destinations.LastStream(a))
+        last = self._last[0]
+        if last.key is not None and last.key != a.key(s):
+            last.wait()
+        last.used(stream, s)
+        return s
+
+    def _destination(self, name: str, mode: str, plan: ReadPlan):
+        """The (name, mode) destination, built (or rebuilt twice as large) where `plan` does not fit its slot; the
+        streams that used the old one are done with it (_fetch_device waited)."""
+        key = (name, mode)
+        d = self._dests.get(key)
+        if d is not None:
+            try:
+                d.check(plan, 0)
+                return d
+            except StagingCapacityError:
+                del self._dests[key]
+                d.close(False)
+        a = self.accel
+        n = 1 << max(10, (2 * plan.n_unique - 1).bit_length())
+        need = max(plan.window_bytes, plan.n_unique * self.row_bytes, 1 << 19)
+        # (a proxy: the finalizer holds the destinations, which must not keep the Table alive)
+        spec = destinations.Spec(weakref.proxy(self), a, name, n, 1 << (2 * need - 1).bit_length(), slots=1)
+        dc = (devcache.acquire(self, a.dev_id(), a)
+              if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
+        d, _ = destinations.build(spec, mode, dc)
+        self._dests[key] = d
+        log.info("%s: GPU rows via %s -> %s (a slot of %d rows)", self.path.name, name, d.how, n)
+        return d
 
     def device_choice(self, backend: str = "auto") -> tuple[str, str, str]:
         """(backend, destination mode, why) of rows that must end in GPU memory, asked once per backend (the one
@@ -255,49 +293,46 @@ class Table:
             self._device_choices[backend] = choose_device(self, backend, self.config, state=self.accel.gds_state)
         return self._device_choices[backend]
 
-    def _sink(self, name: str, mode: str):
-        key = f"{name}@{mode}"
-        if key not in self._sinks:
-            from .device import DeviceSink, GdsReader
-            a = self.accel
-            if mode == "gds":
-                self._sinks[key] = self.region.open(GdsReader, self.config, accel=a)
-            else:
-                dc = (devcache.acquire(self, a.dev_id(), a)
-                      if mode == "copy" and name in rowcache.CACHED_BACKENDS else None)
-                self._sinks[key] = DeviceSink(self._reader(name), mode, accel=a, table=self, cache=dc)
-        return self._sinks[key]
-
     def gds_faster(self) -> tuple[bool, str]:
-        """Time gds against direct + pinned copy on 512 random rows of this table, once (real GDS only)."""
+        """Time gds against direct + pinned copy on 512 random rows of this table (best of 3 batches of rows of
+        their own), once (real GDS only), each through a destination of its own without a device cache."""
         if self._gds_verdict is None:
             import time
+            a = self.accel
+            rng = np.random.default_rng(0)
+            plans = [self.plan(rng.integers(0, self.n_rows, min(512, self.n_rows))) for _ in range(3)]
 
-            plan = self.plan(np.random.default_rng(0).integers(0, self.n_rows, min(512, self.n_rows)))
-
-            def timed(sink) -> float:
+            def timed(name: str, mode: str) -> float:
+                ps = [realign(p, GDS_ALIGN, self.config) if mode == "gds" else p for p in plans]
+                spec = destinations.Spec(weakref.proxy(self), a, name, max(p.n_unique for p in ps),
+                                         max(max(p.window_bytes for p in ps), 1), slots=1)
+                d, _ = destinations.build(spec, mode)
                 best = float("inf")
-                for _ in range(3):
-                    a = time.perf_counter()
-                    sink.fetch(plan)
-                    self.accel.synchronize(None)
-                    best = min(best, time.perf_counter() - a)
+                try:
+                    for p in ps:        # rows of their own each time: every repeat reads
+                        t0 = time.perf_counter()
+                        _through_slot(d, p, a.current(None))
+                        a.synchronize(None)
+                        best = min(best, time.perf_counter() - t0)
+                finally:
+                    d.close(False)
                 return best
-            tg, td = timed(self._sink("gds", "gds")), timed(self._sink("direct", "copy"))
+            tg, td = timed("gds", "gds"), timed("direct", "copy")
             self._gds_verdict = (tg < td, f"512 rows: gds {tg * 1e3:.2f} ms, direct {td * 1e3:.2f} ms")
         return self._gds_verdict
 
     def _fetch_ids_device(self, ids, backend: str, stream, host_ids=None):
         """(plan, device staging, device row offsets) for device ids, planned on the host. The ids are copied
         down on `stream` and the host waits for that copy, so every earlier consumer of the staging on `stream` is
-        done: the sink need not wait again (one synchronization per gather). host_ids: the caller's copy of the
+        done: the destination need not wait again (one synchronization per gather). host_ids: the caller's copy of the
         ids' values, made on `stream` after its earlier work (then the gather makes no synchronization here)."""
         if arrays.kind(ids) == "host-device" and self.accel.name != "host":
             raise BackendError("HostAccel ids on a table whose Config.accel is not 'host'")
-        sink = self._device_sink(backend, stream)
+        name, mode, _ = self.device_choice(backend)
+        self._turn(stream)
         host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
-        plan = self.plan(host, align=self.gds_align if self.device_choice(backend)[1] == "gds" else None)
-        return (plan, *sink.fetch(plan, stream, wait=False))
+        plan = self.plan(host, align=self.gds_align if mode == "gds" else None)
+        return (plan, *self._fetch_device(plan, name, mode, stream, wait=False))
 
     @property
     def typical_window(self) -> int:
@@ -305,9 +340,9 @@ class Table:
         return -(-self.row_bytes // self.gds_align) * self.gds_align
 
     def readers(self) -> tuple[list, list]:
-        """(host readers, GPU destinations) this table has opened so far, in the order opened; each has .how and
-        .bytes_read."""
-        return list(self._readers.values()), list(self._sinks.values())
+        """(host readers, device destinations) this table has opened so far, in the order opened; each has .how
+        and .bytes_read."""
+        return list(self._readers.values()), list(self._dests.values())
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
@@ -315,7 +350,7 @@ class Table:
         prefetch(): rows_from_device/rows_from_page_cache count them where the prefetch read them), cache_hits,
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
         caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
-        st = rowcache.stats(self, [s.cache for s in self._sinks.values() if s.cache is not None],
+        st = rowcache.stats(self, [d.cache for d in self._dests.values() if d.cache is not None],
                             sum(r.bytes_read for rs in self.readers() for r in rs))
         for ahead in self._ahead.values():
             for k, v in ahead.counts().items():
@@ -332,9 +367,6 @@ class Table:
             raise BadIdsError(f"{self.path}: this plan was made for another table (rows of {plan.row_bytes} B at "
                               f"offset {plan.data_offset}, up to row {int(plan.unique_rows[-1])}); this table has "
                               f"{self.n_rows} rows of {self.row_bytes} B at offset {self.data_offset}: use t.plan(ids)")
-        if self._last_stream is not _NO_GPU:     # the GPU may still read the staging this host read reuses
-            self.accel.synchronize(self.accel.current(self._last_stream))
-            self._last_stream = _NO_GPU
         reader = self._reader(backend)
         return self._through(reader, plan.unique_rows, lambda: rowcache.read_through(self, reader, plan),
                              lambda rest: rowcache.read_through(self, reader, replan(plan, self.config, rest,
@@ -348,9 +380,6 @@ class Table:
         if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows
                               or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
             raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
-        if self._last_stream is not _NO_GPU:     # (as read_plan)
-            self.accel.synchronize(self.accel.current(self._last_stream))
-            self._last_stream = _NO_GPU
         reader = self._reader(backend)
         return self._through(reader, rows, lambda: rowcache.read_unique(self, reader, rows),
                              lambda rest: rowcache.read_unique(self, reader, rest))   # (no plan of cached rows)
@@ -434,3 +463,12 @@ class Table:
 def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None) -> Table:
     """Open the row table `tensor` of a GGUF model (any shard of a split model), reading metadata only."""
     return Table(path, tensor, config)
+
+
+def _through_slot(dest, plan: ReadPlan, s):
+    """One batch through a destination's slot 0 on stream s (queued): (staging, offset of each unique row)."""
+    dest.stage(plan, 0)
+    n = plan.n_unique
+    staging, offs = dest.inputs(0, n, s)
+    dest.after(0, s)
+    return staging, offs[:n]

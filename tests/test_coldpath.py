@@ -59,13 +59,13 @@ def test_hits_are_copied_while_the_misses_are_read(monkeypatch, wide):
     if not uring.probe()[0]:
         pytest.skip("io_uring not usable here: no reads in flight to overlap")
     seen = []
-    real_copy = rowcache._copy_hits
+    real_copy = rowcache.RowCache.copy_hits
     in_read = _flag_ring_reads(monkeypatch)
 
     def copy_hits(*a):
         seen.append(in_read[0])
         return real_copy(*a)
-    monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
+    monkeypatch.setattr(rowcache.RowCache, "copy_hits", copy_hits)
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         r = t._reader("direct")
         if r.ring is None:
@@ -112,7 +112,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
     path, raw = wide
     rowcache.drop_all()
     split_min = data.draw(st.sampled_from([2, 5, 10 ** 9]))      # reads in two parts, or in one
-    real_copy = rowcache._copy_hits
+    real_copy = rowcache.RowCache.copy_hits
 
     def copy_hits(cache, slots, unique_rows, out):
         what = data.draw(st.sampled_from(["none", "evict", "clear", "drop"]))
@@ -128,7 +128,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
             rowcache.drop_all()
         return real_copy(cache, slots, unique_rows, out)
     try:
-        monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
+        monkeypatch.setattr(rowcache.RowCache, "copy_hits", copy_hits)
         monkeypatch.setattr(readers, "SPLIT_MIN", split_min)
         seen = 0
         with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
@@ -213,13 +213,13 @@ def test_tables_of_one_file_in_threads_with_clears_return_the_files_rows(monkeyp
     path, raw = wide
     monkeypatch.setattr(readers, "SPLIT_MIN", 4)
     stale = [0]
-    real_copy = rowcache._copy_hits
+    real_copy = rowcache.RowCache.copy_hits
 
     def copy_hits(*a):
         r = real_copy(*a)
         stale[0] += int(r.sum())
         return r
-    monkeypatch.setattr(rowcache, "_copy_hits", copy_hits)
+    monkeypatch.setattr(rowcache.RowCache, "copy_hits", copy_hits)
     cfg = Config(cache_bytes=120_000, page_cache_reads=0)
     stop, errs, batches = time.monotonic() + 4.0, [], [0]
 

@@ -1,6 +1,6 @@
 """The device-resident row cache of the GPU prefill (gds_gather/devcache.py), on the CPU.
 
-The host half (`devcache.stage`: lookup, reads of the misses, admissions) is the code the GPU prefill runs; the
+The host half (`source.through` with `source.DeviceRows`: lookup, reads of the misses, admissions) is the code the GPU prefill runs; the
 device half is played by `emulate` (below) on a numpy pool, in stream order and one ubatch behind the host as
 the double-buffered prefill runs it. Every ubatch's rows must be the file's bytes, for any batches, budgets and
 both destinations (copy: misses packed in a host buffer; gds: misses' windows read into the slot's region). The
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import devcache, rowcache
+from gds_gather import devcache, rowcache, source
 from gds_gather.kernels import write_sources
 from gds_gather.readers import DirectReader
 from gds_gather.rowcache import RowCache
@@ -30,7 +30,12 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 CFG = gg.Config(page_cache_reads=0)
 
 
-def emulate(pool: np.ndarray, st: devcache.Staged, fresh: np.ndarray | None, fresh_base: int,
+def stage(dc, table, reader, plan, *, fresh=None, region=None) -> source.Staged:
+    """One batch through the device-storage cached source (what a cached destination's stage runs)."""
+    return source.through(table, reader, plan, source.DeviceRows(dc, fresh=fresh, region=region))
+
+
+def emulate(pool: np.ndarray, st: source.Staged, fresh: np.ndarray | None, fresh_base: int,
             row_bytes: int) -> np.ndarray:
     """What the device step does with `st`, in numpy (tests): copy the fresh words up, gather every unique row
     through the offsets, then copy the admitted rows into their slots. Returns uint8 [U, row_bytes]."""
@@ -96,7 +101,7 @@ def run_batches(path, raw, batches, budget, mode, lag=1, fail_at=None):
             for k, b in enumerate(batches):
                 s = k % 2
                 plan = t.plan(np.array(b, np.int64))
-                got = devcache.stage(dc, t, readers[s], plan, fresh=fresh[s] if mode == "copy" else None,
+                got = stage(dc, t, readers[s], plan, fresh=fresh[s] if mode == "copy" else None,
                                      region=readers[s].region if mode == "gds" else None)
                 assert got.offsets.shape[0] == plan.n_unique and got.hits + got.from_device == plan.n_unique
                 assert ((got.adm_dst >= 0) & (got.adm_dst + rb <= dc.cache_bytes)).all()
@@ -114,7 +119,7 @@ def run_batches(path, raw, batches, budget, mode, lag=1, fail_at=None):
             queue.clear()
             for k, b in enumerate(batches):      # the cache still serves exact rows afterwards
                 plan = t.plan(np.array(b, np.int64))
-                got = devcache.stage(dc, t, readers[k % 2], plan, fresh=fresh[k % 2] if mode == "copy" else None,
+                got = stage(dc, t, readers[k % 2], plan, fresh=fresh[k % 2] if mode == "copy" else None,
                                      region=readers[k % 2].region if mode == "gds" else None)
                 _device((plan, got, k % 2), pool, fresh, dc, raw, rb)
         finally:
@@ -167,12 +172,12 @@ def test_the_emulated_device_catches_a_missed_admission(table):
         dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0)
         pool = np.zeros(dc.fresh_base + 64 * t.row_bytes, np.uint8)
         fresh = np.zeros(64 * t.row_bytes, np.uint8)
-        first = devcache.stage(dc, t, r, t.plan(ids), fresh=fresh)
+        first = stage(dc, t, r, t.plan(ids), fresh=fresh)
         assert first.adm_src.shape[0] == 40 and first.fresh_words == -(-40 * t.row_bytes // 8)
         first.adm_src = first.adm_src[:0]               # the device "forgets" the admissions
         first.adm_dst = first.adm_dst[:0]
         emulate(pool, first, fresh, dc.fresh_base, t.row_bytes)
-        again = devcache.stage(dc, t, r, t.plan(ids), fresh=fresh)
+        again = stage(dc, t, r, t.plan(ids), fresh=fresh)
         assert again.hits == 40 and again.fresh_words == 0
         rows = emulate(pool, again, fresh, dc.fresh_base, t.row_bytes)
         assert not np.array_equal(rows, raw[ids])
@@ -184,11 +189,11 @@ def test_all_hits_still_refuse_a_changed_file(tmp_path, ggufs):
             DirectReader(t.path, t.data_offset, t.n_bytes, config=t.config, file_id=t.file_id) as r:
         dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0)
         fresh = np.zeros(50 * t.row_bytes + 8, np.uint8)
-        devcache.stage(dc, t, r, t.plan(np.arange(5)), fresh=fresh)
+        stage(dc, t, r, t.plan(np.arange(5)), fresh=fresh)
         st_ = os.stat(path)
         os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
         with pytest.raises(gg.ReadError, match="modified"):
-            devcache.stage(dc, t, r, t.plan(np.arange(5)), fresh=fresh)     # every row a hit: refused anyway
+            stage(dc, t, r, t.plan(np.arange(5)), fresh=fresh)     # every row a hit: refused anyway
 
 
 def test_acquire_lends_one_cache_per_file_and_device(table):

@@ -34,9 +34,10 @@ def test_read_rows_into_gpu_exact(table_and_rows, platform, backend):
         got = t.read_rows(cp.asarray(ids), backend)
         assert isinstance(got, cp.ndarray) and got.shape == ids.shape + (t.row_bytes,)
         np.testing.assert_array_equal(cp.asnumpy(got), rows[ids])
-        sink = next(iter(t._sinks.values()))
-        want = "zero-copy" if platform == "unified" and backend in ("auto", "direct", "pread") else "copy"
-        assert want in sink.how or (want == "copy" and "H2D" in sink.how), sink.how
+        dest = t.readers()[1][0]
+        want = ("zero-copy" if platform == "unified" and backend in ("auto", "direct", "pread") else
+                "resident" if backend == "resident" else "copy")
+        assert dest.name == want, (dest.name, dest.how)
 
 
 def test_torch_ids_and_stream(table_and_rows):
@@ -59,7 +60,7 @@ def test_gds_backend_exact(table_and_rows):
     with gg.open_table(path) as t:
         got = t.read_rows(cp.asarray(ids), "gds")
         np.testing.assert_array_equal(cp.asnumpy(got), rows[ids])
-        assert "KvikIO" in t._sinks["gds@gds"].how
+        assert "KvikIO" in t.readers()[1][0].how
 
 
 def test_staging_reuse_waits_for_the_stream(table_and_rows):
@@ -182,17 +183,17 @@ def test_side_stream_gather_copies_and_launches_on_torchs_stream(tmp_path, ggufs
     """Finding 1: with the legacy stream busy (a sleep queued on it inside each fetch), a gather under
     torch.cuda.stream(s) with stream=None must still see its own staging: copies and kernel all on s."""
     torch = pytest.importorskip("torch")
-    from gds_gather import device
+    from gds_gather import destinations
     rows = ggufs.rows(Q.Q8_0, 4000, 160, seed=5)
     path = ggufs.write(tmp_path / "t.gguf", rows, Q.Q8_0)
     ref = ggufs.reference(path)
-    orig = device.DeviceSink.fetch
+    orig = destinations.Copy.stage
 
-    def delayed(self, plan, stream=None):
+    def delayed(self, plan, s):
         with torch.cuda.stream(torch.cuda.default_stream()):
             torch.cuda._sleep(100_000_000)      # tens of ms on the legacy stream: a copy queued there waits
-        return orig(self, plan, stream)
-    monkeypatch.setattr(device.DeviceSink, "fetch", delayed)
+        return orig(self, plan, s)
+    monkeypatch.setattr(destinations.Copy, "stage", delayed)
     rng = np.random.default_rng(5)
     first, ids = rng.integers(0, 4000, (500, 4)), rng.integers(0, 4000, (500, 4))
     s = torch.cuda.Stream()
@@ -223,14 +224,14 @@ import sys
 import numpy as np
 import torch
 import gds_gather as gg
-from gds_gather import device
+from gds_gather import destinations
 path, n = sys.argv[1], int(sys.argv[2])
-orig = device.DeviceSink.fetch
-def fetch(self, plan, stream=None):
-    out = orig(self, plan, stream)
+orig = destinations.ZeroCopy.inputs
+def inputs(self, s, n, stream):
+    out = orig(self, s, n, stream)
     torch.cuda._sleep(200_000_000)      # the kernel is queued behind this on the same stream
     return out
-device.DeviceSink.fetch = fetch
+destinations.ZeroCopy.inputs = inputs
 ids = np.random.default_rng(0).integers(0, n, (2000, 3))
 s = torch.cuda.Stream()
 t = gg.open_table(path, config=gg.Config(platform="unified", cache_bytes=0))
@@ -263,7 +264,7 @@ def test_refused_host_register_leaves_close_clean(table_and_rows, monkeypatch):
     def refuse(ptr, n, flags):
         raise cp.cuda.runtime.CUDARuntimeError(2)       # cudaErrorMemoryAllocation
     monkeypatch.setattr(cp.cuda.runtime, "hostRegister", refuse)
-    t = gg.open_table(path, config=gg.Config(platform="discrete"))
+    t = gg.open_table(path, config=gg.Config(platform="unified"))      # zero-copy registers its staging
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError):
         t.read_rows(cp.arange(0, 100), "direct")
     t.close()                                           # raised cudaErrorHostMemoryNotRegistered before the fix
@@ -287,7 +288,7 @@ def test_gds_compat_reads_bypass_the_page_cache(table_and_rows):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         got = t.read_rows(cp.arange(0, rows.shape[0]), "gds")
         np.testing.assert_array_equal(cp.asnumpy(got), rows)
-        how = t._sinks["gds@gds"].how
+        how = t.readers()[1][0].how
         if "real GPU-direct" in how:
             pytest.skip(f"real GPU-direct storage here: {how}")
         if not hasattr(kvikio.defaults, "get") or "BUFFERED" in how:
@@ -328,7 +329,7 @@ def test_one_device_choice_per_table_and_streams_by_handle(table_and_rows, monke
         for _ in range(3):
             got = t.read_rows(ids)
         assert len(calls) == first
-        assert t._last_stream == torch.cuda.current_stream().cuda_stream
+        assert t._last[0].key == torch.cuda.current_stream().cuda_stream
         np.testing.assert_array_equal(got.cpu().numpy(), rows[_ids(rows.shape[0])])
 
 

@@ -52,7 +52,7 @@ NULL = 0                    # cupy's default: the legacy null stream
 
 
 class FakeCuda:
-    """Enough of cupy for DeviceSink, devcache's launches and Table's device gather, on host memory. Every queued
+    """Enough of cupy for the destinations, devcache's launches and Table's device gather, on host memory. Every queued
     operation is logged with the stream it was queued on: ("h2d" | "set" | "asarray" | "kernel" | "sync", ptr)."""
 
     def __init__(self, *, from_external: bool = True, register_fails_at: int | None = None):
@@ -129,6 +129,7 @@ class FakeCuda:
         self.module.__dict__.update(
             cuda=self.cuda, uint8=np.uint8, int64=np.int64, int32=np.int32, ndarray=DevArray,
             empty=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
+            zeros=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
             asarray=self._asarray, asnumpy=self._asnumpy,
             from_dlpack=lambda x: DevArray(x.a, fake), arange=lambda *a: DevArray(np.arange(*a), fake))
 
@@ -224,6 +225,8 @@ def fake_cuda(monkeypatch):
         return dequant_gpu.reference_gather(staging.a, offs.a, inv, qtype, row_elems, dtype=dtype, **kw)
     monkeypatch.setattr(dequant_gpu, "gather_rows", gather_rows)
     monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
+    from gds_gather import device      # the fake's device pointer of mapped memory is its host address
+    monkeypatch.setattr(device, "device_view", lambda host: DevArray(host, fake))
     return fake
 
 
@@ -250,8 +253,8 @@ class CopyKernel:
         self.fake.log.append(("kernel", self.fake.current[-1].ptr))
 
 
-def _table(path, cache_bytes=0):
-    return gg.open_table(path, config=gg.Config(platform="discrete", cache_bytes=cache_bytes))
+def _table(path, cache_bytes=0, platform="discrete"):
+    return gg.open_table(path, config=gg.Config(platform=platform, cache_bytes=cache_bytes))
 
 
 # -- finding 1: torch CUDA ids with stream=None: everything on torch's current stream ----------------------------------
@@ -279,7 +282,7 @@ def test_torch_ids_read_rows_on_torchs_current_stream(fake_cuda, small_table):
 # -- finding 7: one stream synchronization per device gather, one device choice per table ------------------------------
 def test_one_sync_per_gather_on_torchs_current_stream(fake_cuda, small_table, monkeypatch):
     """torch.cuda.current_stream() is a new wrapper per call, same handle: the staging's previous consumer is on
-    that same stream, so the sink's own wait is the only synchronization."""
+    that same stream, so the destination's own wait is the only synchronization."""
     backends = importlib.import_module("gds_gather.backends")   # (gds_gather.backends is also a function)
     probes = []
     real = backends.gds_state
@@ -287,7 +290,7 @@ def test_one_sync_per_gather_on_torchs_current_stream(fake_cuda, small_table, mo
     ids = np.arange(30).reshape(10, 3)
     with _table(small_table) as t:
         t.gather(TorchCudaIds(ids))
-        first = len(probes)         # the device choice, and resolving the sink's host backend: once per table
+        first = len(probes)         # the device choice, and resolving the destination's host backend: once per table
         t.gather(TorchCudaIds(ids))
         t.gather(TorchCudaIds(ids))
         assert [k for k, _ in fake_cuda.log].count("sync") == 3, fake_cuda.log
@@ -339,10 +342,11 @@ def _open_fds(path) -> int:
 
 
 def test_refused_register_is_never_unregistered(fake_cuda, small_table):
-    """The sink's first register fails: the gather fails, nothing is page-locked, and close unregisters nothing
-    (it raised "not registered" before, hiding the first error and skipping the other closes)."""
+    """The zero-copy destination's first register of its reader's staging fails: the gather fails, nothing is
+    page-locked, and close unregisters nothing (it raised "not registered" before, hiding the first error and
+    skipping the other closes)."""
     fake_cuda.register_fails_at = 1
-    t = _table(small_table)
+    t = _table(small_table, platform="unified")
     with pytest.raises(RuntimeError, match="AlreadyRegistered"):
         t.gather(TorchCudaIds(np.arange(3)), "direct")
     t.close()
@@ -370,8 +374,8 @@ def test_refused_register_after_regrowth_is_never_unregistered(fake_cuda):
 
 def test_close_runs_every_close_and_raises_the_first_error(fake_cuda, small_table, monkeypatch):
     before = _open_fds(small_table)
-    t = _table(small_table)
-    t.gather(TorchCudaIds(np.arange(3)), "direct")      # pinned O_DIRECT staging (closed first)
+    t = _table(small_table, platform="unified")
+    t.gather(TorchCudaIds(np.arange(3)), "direct")      # pinned, mapped O_DIRECT staging (closed first)
     t.gather(np.arange(3), "pread")                     # a host reader (closed after it)
     assert _open_fds(small_table) >= before + 2
 
@@ -387,7 +391,7 @@ def test_close_runs_every_close_and_raises_the_first_error(fake_cuda, small_tabl
 @pytest.mark.parametrize("how", ["close", "finalizer"])
 def test_close_waits_for_the_last_stream_before_unpinning(fake_cuda, small_table, how):
     import gc
-    t = _table(small_table)
+    t = _table(small_table, platform="unified")
     t.gather(TorchCudaIds(np.arange(30).reshape(10, 3)), "direct", stream=TorchStream(0x7777))
     launch = fake_cuda.log.index(("launch", 0x7777))
     if how == "close":
@@ -585,31 +589,36 @@ def test_old_kvikio_and_no_cufile_driver():
 
 
 def test_gds_reader_on_the_host_accel(tmp_path, ggufs):
-    """GdsReader through HostAccel's cuFile stand-in: fetch (waiting for its stream) reads the plan's 4 KiB
-    windows into device staging where each unique row is the file's row; a plan at another alignment is refused;
-    a DeviceSink of an unknown mode too."""
+    """GdsReader through HostAccel's cuFile stand-in reads the plan's 4 KiB windows into device staging where each
+    unique row is the file's row, and refuses a plan at another alignment; Table.fetch_device through the gds
+    destination first waits for the stream's earlier work; a destination of an unknown mode is refused."""
     pytest.importorskip("torch")
-    from gds_gather.accel import HostAccel
-    from gds_gather.device import DeviceSink, GdsReader
+    from gds_gather import destinations
+    from gds_gather.device import GdsReader
     from gds_gather.errors import BackendError
     path, raw, _ = ggufs.table(tmp_path / "g.gguf", 200, seed=4)
-    a = HostAccel()
     with gg.open_table(path, config=gg.Config(platform="discrete", accel="host", cache_bytes=0)) as t:
+        a = t.accel
+        plan = t.plan(np.array([150, 3, 3, 77]), align=t.gds_align)
         r = t.region.open(GdsReader, t.config, accel=a)
         try:
-            plan = t.plan(np.array([150, 3, 3, 77]), align=t.gds_align)
-            s = a.stream()
-            earlier = []
-            a.defer(s, lambda: earlier.append(True))              # the stream's earlier work on the staging
-            dev, offs = r.fetch(plan, s)
-            assert earlier == [True]                             # waited for it before reading
-            a.synchronize(s)                                     # (the offsets' upload is queued on s)
-            got = np.stack([np.asarray(dev)[o:o + t.row_bytes] for o in np.asarray(offs).tolist()])
+            dev = r.read_windows(plan)
+            got = np.stack([np.asarray(dev)[o:o + t.row_bytes] for o in plan.row_staging.tolist()])
             np.testing.assert_array_equal(got, raw[plan.unique_rows])
-            assert r.bytes_read > 0
+            assert r.bytes_read == plan.window_bytes
             with pytest.raises(BackendError, match=r"gds: plan at 512-byte alignment; plan at Table.gds_align"):
                 r.read_windows(t.plan(np.array([1]), align=512))
         finally:
             r.close()
+        s = a.stream()
+        earlier = []
+        a.defer(s, lambda: earlier.append(True))              # the stream's earlier work on the staging
+        dev, offs = t.fetch_device(plan, "gds", stream=s)
+        assert earlier == [True]                             # waited for it before reading
+        a.synchronize(s)                                     # (the offsets' copy is queued on s)
+        got = np.stack([np.asarray(dev)[o:o + t.row_bytes] for o in np.asarray(offs).tolist()])
+        np.testing.assert_array_equal(got, raw[plan.unique_rows])
+        assert [d.name for d in t.readers()[1]] == ["gds"] and t.readers()[1][0].bytes_read > 0
+        spec = destinations.Spec(t, a, "direct", 8, 1 << 16, slots=1)
         with pytest.raises(ValueError, match="bogus"):
-            DeviceSink(t.open_reader("direct"), "bogus", accel=a)
+            destinations.build(spec, "bogus")

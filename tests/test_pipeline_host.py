@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather import devcache
+from gds_gather import destinations, devcache
 from gds_gather.accel import HostAccel, HostArray, StreamOrderError
 from gds_gather.errors import ReadError, StagingCapacityError
 
@@ -173,7 +173,6 @@ def test_an_error_after_a_stage_leaves_the_device_cache_exact(tmp_path, dest, cl
 
 @pytest.mark.parametrize("queued", [False, True])
 def test_close_with_work_queued_keeps_the_staging_and_discards_the_device_cache(model, queued):
-    from gds_gather import pipeline
     with gg.open_table(model, config=_cfg("discrete", BUDGET)) as t:
         p = GpuPrefill(t, RowMapper(t), backend="direct", ubatch=UB, graph=True, dtype="float32", trunk="none",
                        accel=HostAccel())
@@ -186,10 +185,10 @@ def test_close_with_work_queued_keeps_the_staging_and_discards_the_device_cache(
             assert p.closed and p.readers == []
             assert [r.fd < 0 for r in readers] == [not queued] * 2       # closed readers gave their fd back
             assert (dc.key in devcache._POOLS) == (not queued) and (dc.in_use is False or queued)
-            assert (readers in pipeline._KEPT_WHILE_QUEUED) == queued
+            assert (readers in destinations.KEPT_WHILE_QUEUED) == queued
         finally:
             if queued:
-                pipeline._KEPT_WHILE_QUEUED.remove(readers)
+                destinations.KEPT_WHILE_QUEUED.remove(readers)
                 for r in readers:
                     r.close()
 
@@ -260,7 +259,7 @@ def test_table_gather_on_the_device_path_is_exact(table_file, dest):
 
 
 def test_the_staging_is_waited_for_before_another_stream_reuses_it(table_file):
-    """A gather on stream B after one on stream A: the sink's staging is rewritten only after A's queued kernel
+    """A gather on stream B after one on stream A: the destination's staging is rewritten only after A's queued kernel
     ran (Table waits for the last stream); both results exact."""
     with gg.open_table(table_file, config=_cfg("discrete", 0)) as t:
         a, b = t.accel.stream(), t.accel.stream()
@@ -284,7 +283,7 @@ def test_staging_on_one_stream_and_the_kernel_on_another_gives_wrong_rows(table_
         plan = t.plan(ids)
         inv = plan.inverse.reshape(plan.shape).astype(np.int32).view(HostArray)
         want = t.gather(ids)
-        for same in (False, True):          # (the wrong order first: the sink's buffers are still zeros)
+        for same in (False, True):          # (the wrong order first: the destination's buffers are still zeros)
             a = acc.stream()
             b = a if same else acc.stream()
             staging, offs = t.fetch_device(plan, "pread", stream=a)        # compact rows: one H2D copy on a
@@ -308,14 +307,14 @@ def test_host_accel_ids_need_a_host_accel_table(table_file):
 @pytest.mark.parametrize("dest", ["copy", "copy+cache", "zero-copy", "gds"])
 def test_one_synchronization_per_device_gather(table_file, dest):
     """Issue 18: device ids cost one host-device synchronization per gather: the ids' copy down on the gather's
-    stream (after which the staging's earlier readers on that stream are done, so the sink does not wait again);
+    stream (after which the staging's earlier readers on that stream are done, so the destination does not wait again);
     none when the caller passes the host copy it made on that stream (hf's module). Results are exact although
     nothing else synchronizes between the gathers (HostAccel's deferred stream would show a reused staging)."""
     platform, backend, budget = DESTS[dest]
     with gg.open_table(table_file, config=_cfg(platform, budget)) as t:
         acc, s = t.accel, t.accel.stream()
         want = [t.gather(_ids(40, seed)) for seed in range(8)]        # (host gathers wait for the device stream)
-        t.gather(_ids(8).view(HostArray), backend, stream=s)        # the sink opened
+        t.gather(_ids(8).view(HostArray), backend, stream=s)        # the destination built
         acc.synchronize(s)
         outs = []
         syncs = acc.syncs

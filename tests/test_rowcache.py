@@ -182,8 +182,8 @@ def test_device_cache_returns_the_rows_and_serves_hits(table):
             np.testing.assert_array_equal(cp.asnumpy(t.gather(cp.asarray(ids), "direct")), ref[ids])
         s = t.stats()
         assert s["rows_from_cache"] >= 4 * 4 and s["cache_bytes"] > 0
-        sink = next(iter(t._sinks.values()))
-        assert sink.cache is not None and sink.cache.n_used == 4
+        dest = t.readers()[1][0]
+        assert dest.cache is not None and dest.cache.n_used == 4
 
 
 def test_a_cache_closed_while_a_table_uses_it_only_misses(table):

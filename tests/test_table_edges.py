@@ -53,9 +53,10 @@ def test_read_unique_takes_sorted_unique_ids_in_range(table, rows):
             t.read_unique(np.array(rows), "direct")
 
 
-def test_read_unique_after_a_device_gather_waits_for_its_stream(table):
-    """A device gather on a HostAccel stream leaves its kernel queued; a host read_unique then synchronizes that
-    stream first (the staging it would reuse is the stream's until then), and both give the file's rows."""
+def test_a_host_read_after_a_device_gather_does_not_wait_for_it(table):
+    """A device gather on a HostAccel stream leaves its kernel queued; a host read_unique then runs without
+    synchronizing that stream (the device destination reads with readers of its own, so no staging is shared),
+    and both give the file's rows."""
     pytest.importorskip("torch")
     path, raw, ref = table
     with gg.open_table(path, config=host_device()) as t:
@@ -66,7 +67,8 @@ def test_read_unique_after_a_device_gather_waits_for_its_stream(table):
         assert not s.query()                                # the kernel is queued on s, not run
         rows = np.array([1, 4, 200])
         np.testing.assert_array_equal(t.read_unique(rows, "direct"), raw[rows])
-        assert s.query()                                    # read_unique ran s's queue first
+        assert not s.query()                                # read_unique did not wait for s
+        a.synchronize(s)
         np.testing.assert_array_equal(np.asarray(out), ref[ids])
 
 
@@ -81,10 +83,9 @@ def test_gds_faster_times_both_destinations_once(table):
         tg, td = float(m[1]), float(m[2])
         assert faster == (tg < td) or tg == td                # (equal to 2 decimals: either)
         assert t.gds_faster() is v
-        sinks = t.readers()[1]
-        assert len(sinks) == 2 and "cuFile stand-in" in sinks[0].how
-        assert sinks[0].bytes_read > 0 and [r.name for r in t.readers()[0]] == ["direct"]   # (direct@copy's reader)
-        assert t.readers()[0][0].bytes_read > 0
+        assert t.readers() == ([], [])      # each timed through a destination of its own, closed after
+        st = t.stats()                      # direct's three batches were all read: more rows than the table has
+        assert st["cache_hits"] == 0 and st["rows_from_device"] + st["rows_from_page_cache"] > t.n_rows
 
 
 def test_a_table_running_past_the_end_of_the_file_is_refused(table):

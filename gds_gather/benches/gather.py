@@ -113,7 +113,7 @@ def _bs_name(bs: int) -> str:
 
 
 def _bytes_read(t) -> int:
-    return t.stats()["bytes_requested"]      # every reader's: the table's, its GPU sinks', its prefetches'
+    return t.stats()["bytes_requested"]      # every reader's: the table's, its device destinations', its prefetches'
 
 
 def _fetch(t, b: str, plan, stream) -> None:

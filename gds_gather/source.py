@@ -1,0 +1,208 @@
+"""The cached source: a batch's look-up, the read of its misses, their admission and the counting, written once
+for every destination.
+
+The row cache's policy and index (rowcache.RowCache) are the same everywhere; a storage says where the cached
+bytes live and where a batch's rows go:
+
+- `HostRows`: the bytes in the cache's own host mapping (pinnable); a batch comes back as one host array
+  [U, row_bytes] (host gathers, the copy and zero-copy destinations, prefetches, the transformers module).
+- `DeviceRows`: the bytes in a device pool (devcache.DeviceRowCache); the rows stay where they are: hits are pool
+  offsets, misses are read into the slot's pinned buffer (copy: the device copies them behind the slots) or into
+  the slot's pool region (gds: cuFile), and admissions become device row copies. The result is a `Staged`.
+
+Host hits are copied while the misses' reads are in flight (reader.overlaps_io: during_io), and a large read hands
+its first rows over while the rest is read (on_rows, readers.SPLIT_MIN). The host cache is shared by every Table
+of a file and its lock is not held while the hits are copied: a hit evicted meanwhile is read again (the copy
+checks each slot still holds its row). A device pool is lent to one holder at a time (devcache.acquire).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .planner import ReadPlan, replan
+
+
+def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | None = None,
+            io: dict | None = None):
+    """The unique rows of `plan` (or sorted unique `rows`, planned only if some miss: a decode step's all-hit
+    look-up costs less than planning one row) through the cache of `store`: hits from it, misses read by `reader`
+    and offered to it, counted into `io` (default table.io; see Table.stats)."""
+    io = table.io if io is None else io
+    index = store.index
+    unique = plan.unique_rows if plan is not None else np.asarray(rows, np.int64)
+    U = unique.shape[0]
+    early = None
+    with index.lock:
+        g, slots = index.gen, index.lookup(unique)
+        hit = slots >= 0
+        nh = int(hit.sum())
+        if nh == U:
+            early = store.all_hits(slots)       # under the look-up's lock: no slot changes in between
+    io["cache_hits"] += nh
+    io["cache_misses"] += U - nh
+    if nh == U:                 # no read follows (a read checks the file): hits must not outlive a change
+        reader.check_file()
+        io["rows_from_cache"] += nh
+        return early
+    if plan is None:
+        plan = table.plan(unique)
+    missed = unique[~hit]
+    protect = slots[hit]
+
+    def admit(lo: int, hi: int, fresh):
+        """Offer misses [lo, hi) just read (fresh: their bytes, or None for an index-only cache); returns (their
+        positions offered, the slot each went to or -1). Rows a read copied from the page cache are offered only
+        where the storage says so (reader.last_from_page_cache, where it covers these rows)."""
+        keep = np.arange(hi - lo)
+        pc = None if store.admit_page_cache else reader.last_from_page_cache
+        if pc is not None and pc.shape[0] == hi - lo:
+            keep = keep[~pc]
+            fresh = fresh[keep] if fresh is not None else None
+        with index.lock:
+            new = index.admit(missed[lo:hi][keep], fresh, protect=protect,
+                              gen=g if hi - lo == missed.shape[0] else None)
+        return keep, new
+    pc0 = reader.rows_from_page_cache
+    batch = store.batch(plan, slots, missed)
+    n_stale = batch.read(reader, replan(plan, table.config, missed) if nh else plan, admit, table.config)
+    io["rows_from_cache"] += nh - n_stale
+    pc = count_reader(io, reader, pc0, U - nh + n_stale)
+    return batch.result(nh, pc)
+
+
+def count_reader(io: dict, reader, pc0: int, n: int) -> int:
+    """Count n rows a reader delivered into io: those it copied from the page cache (its rows_from_page_cache
+    counter, pc0 before the read) and the rest from the device; returns the former. A buffered reader cannot
+    tell the two apart: its rows count as rows_buffered."""
+    if not reader.tells_source:
+        io["rows_buffered"] += n
+        return 0
+    pc = reader.rows_from_page_cache - pc0
+    io["rows_from_page_cache"] += pc
+    io["rows_from_device"] += n - pc
+    return pc
+
+
+# -- host memory ---------------------------------------------------------------------------------------------------
+
+class HostRows:
+    """The cache's bytes in host memory; a batch's rows come back as one host array. admit_page_cache: offer rows
+    the reader copied from the page cache too (a decode step's few rows: there the per-call cost of the page-cache
+    path, not the I/O, is what a hit saves)."""
+
+    def __init__(self, cache, admit_page_cache: bool = False):
+        self.index, self.admit_page_cache = cache, admit_page_cache
+
+    def all_hits(self, slots: np.ndarray) -> np.ndarray:
+        return self.index.data.take(slots, axis=0)
+
+    def batch(self, plan: ReadPlan, slots: np.ndarray, rows: np.ndarray) -> "_HostBatch":
+        return _HostBatch(self.index, plan, slots, rows)
+
+
+class _HostBatch:
+    def __init__(self, cache, plan, slots, rows):
+        self.cache, self.plan, self.slots, self.rows = cache, plan, slots, rows
+        self.out = None
+
+    def read(self, reader, mplan: ReadPlan, admit, config) -> int:
+        """Read the misses into the result, copy the hits beside them; returns the hits read again (stale)."""
+        cache, plan, slots, rows = self.cache, self.plan, self.slots, self.rows
+        U, k = plan.n_unique, rows.shape[0]
+        if k == U:                   # every row missed: the reader's rows are the result
+            kw = {"during_io": lambda: cache.prefault(U)} if reader.overlaps_io else {}
+            self.out = reader.read(mplan, **kw)
+            admit(0, k, self.out)
+            return 0
+        out = self.out = np.empty((U, plan.row_bytes), np.uint8)
+        miss_pos = np.flatnonzero(slots < 0)
+        stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
+
+        def copy_hits():             # before any miss is in out (the copy may write every row)
+            if not stale:
+                stale.append(cache.copy_hits(slots, plan.unique_rows, out))
+
+        def during_io():
+            copy_hits()
+            cache.prefault(k)
+
+        def on_rows(lo, hi, fresh):  # the misses [lo, hi); a first part comes while the rest is read
+            copy_hits()
+            out[miss_pos[lo:hi]] = fresh
+            admit(lo, hi, fresh)
+        if reader.overlaps_io:
+            reader.read(mplan, during_io=during_io, on_rows=on_rows)
+        else:
+            on_rows(0, k, reader.read(mplan))
+        copy_hits()                  # (no read was made: all from the page cache)
+        if not stale[0].any():
+            return 0
+        out[stale[0]] = reader.read(replan(plan, config, plan.unique_rows[stale[0]]))
+        return int(stale[0].sum())
+
+    def result(self, hits: int, from_page_cache: int) -> np.ndarray:
+        return self.out
+
+
+# -- device memory -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Staged:
+    """What one batch asks of the device (devcache.py): the rows' pool offsets, the fresh rows to copy behind the
+    slots, the admissions."""
+    offsets: np.ndarray      # int64 [U]: byte offset of each unique row in the pool
+    fresh_words: int         # 8-byte words of fresh rows to copy into the fresh area (copy mode; 0 for gds)
+    adm_src: np.ndarray      # int64 [A]: pool offsets of admitted fresh rows
+    adm_dst: np.ndarray      # int64 [A]: pool offsets of their slots
+    hits: int
+    from_page_cache: int
+    from_device: int
+
+
+class DeviceRows:
+    """The cache's bytes in a device pool (dc: devcache.DeviceRowCache). copy: `fresh` is the slot's host buffer,
+    the misses are packed there to land at dc.fresh_base; gds: `region` is the pool offset of the slot's region,
+    the reader (cuFile) reads the misses' windows there. Page-cache rows are admitted too: they would cross PCIe
+    again."""
+
+    admit_page_cache = True
+
+    def __init__(self, dc, *, fresh: np.ndarray | None = None, region: int | None = None):
+        self.dc, self.index, self.fresh, self.region = dc, dc.index, fresh, region
+
+    def all_hits(self, slots: np.ndarray) -> Staged:
+        none = np.zeros(0, np.int64)
+        return Staged(slots * self.index.row_bytes, 0, none, none, slots.shape[0], 0, 0)
+
+    def batch(self, plan: ReadPlan, slots: np.ndarray, rows: np.ndarray) -> "_DeviceBatch":
+        return _DeviceBatch(self, plan, slots, rows)
+
+
+class _DeviceBatch:
+    def __init__(self, store, plan, slots, rows):
+        self.store, self.slots, self.rows = store, slots, rows
+        self.offsets = np.where(slots >= 0, slots * plan.row_bytes, 0)
+        self.words, self.src, self.dst = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+    def read(self, reader, mplan: ReadPlan, admit, config) -> int:
+        st, rb, k = self.store, mplan.row_bytes, self.rows.shape[0]
+        if st.region is None:
+            got = reader.read(mplan)
+            st.fresh[:got.size] = got.reshape(-1)
+            fo = st.dc.fresh_base + np.arange(k, dtype=np.int64) * rb
+            self.words = -(-got.size // 8)
+        else:
+            reader.read_windows(mplan)
+            fo = int(st.region) + mplan.row_staging
+        self.offsets[self.slots < 0] = fo
+        keep, new = admit(0, k, None)
+        ok = new >= 0
+        self.src, self.dst = fo[keep][ok], new[ok] * rb
+        return 0
+
+    def result(self, hits: int, from_page_cache: int) -> Staged:
+        U = self.slots.shape[0]
+        return Staged(self.offsets, self.words, self.src, self.dst, hits, from_page_cache,
+                      U - hits - from_page_cache)
