@@ -45,9 +45,16 @@ class Spec:
         return t.region.open(HOST_READERS[self.backend], t.config)
 
 
+def align_for(table, mode: str) -> int:
+    """The window alignment of plans for `mode`: KvikIO uses GPU-direct only for 4 KiB-aligned windows (gds);
+    the host engine's may be finer (wide rows)."""
+    return table.gds_align if mode == "gds" else table.align
+
+
 class Destination:
     name = "?"
     dc = None               # the device row cache (devcache.DeviceRowCache) of the cached destinations
+    schedule = "overlap"    # schedule.run_ubatches' mode with graphs: staging may be read while the last step runs
 
     def __init__(self, spec: Spec, readers=()):
         self.spec, self.accel, self.t, self.N = spec, spec.accel, spec.table, spec.n_ids
@@ -197,6 +204,7 @@ class ZeroCopy(_Offsets):
 class Gds(_Offsets):
     """cuFile reads each slot's windows into the slot's device staging before the step."""
     name = "gds"
+    schedule = "staged"     # cuFile is not stream-ordered: its reads complete before the replay
 
     def __init__(self, spec, readers):
         super().__init__(spec, readers)
@@ -292,6 +300,7 @@ class CachedCopy(_Cached):
 class CachedGds(_Cached):
     """Hits in the pool's slots; cuFile reads the misses' windows into the slot's region of the fresh area."""
     name = "gds"
+    schedule = "staged"
 
     def __init__(self, spec, readers, dc):
         super().__init__(spec, readers, dc)
@@ -308,16 +317,17 @@ class CachedGds(_Cached):
         self.stage_rows(plan, s, source.DeviceRows(self.dc, region=self.region[s]))
 
 
-def build(spec: Spec, mode: str, dc=None) -> tuple[Destination, str]:
-    """The destination of `mode` (with `dc`, the device row cache, where given) for `spec`; (destination, mode):
-    zero-copy needs readers with staging, and becomes copy (said in the log) without. On an error the readers
-    opened and the cache are given back."""
+def build(spec: Spec, mode: str, device_id: int | None = None) -> tuple[Destination, str]:
+    """The destination of `mode` for `spec`; (destination, mode): zero-copy needs readers with staging, and
+    becomes copy (said in the log) without. With `device_id`, copy and gds of the engine's backends get the
+    device row cache of that device (discrete GPUs; unified memory reads the host cache in place). On an error the
+    readers opened and the cache are given back."""
     if mode == "resident":
-        devcache.release(dc)
         return Resident(spec), mode
     if mode not in ("gds", "zero-copy", "copy"):
-        devcache.release(dc)
         raise ValueError(f"unknown destination mode {mode!r}")
+    dc = (devcache.acquire(spec.table, device_id, spec.accel)
+          if device_id is not None and mode in ("copy", "gds") and spec.backend in rowcache.CACHED_BACKENDS else None)
     readers = []
     try:
         readers = [spec.new_reader(mode) for _ in range(spec.slots)]

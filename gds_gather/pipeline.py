@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import devcache, quants, rowcache
+from . import quants
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import BackendError
-from .destinations import Spec, build
+from .destinations import Spec, align_for, build
 from .graph import refused_in
 from .schedule import graph_mode, run_ubatches, staging_bound_for
 
@@ -146,14 +146,9 @@ class GpuPrefill:
                 self._eager(f"eager: the captured wait on a host flag is not available here ({e})")
         self.events = [None, None]
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
-        # gds: KvikIO uses GPU-direct only for 4 KiB-aligned windows; the host engine's may be finer (wide rows)
-        self.align = table.gds_align if self.mode == "gds" else table.align
+        self.align = align_for(table, self.mode)
         spec = Spec(table, a, self.backend, self.N, staging_bound_for(table, self.N, self.align))
-        # the device row cache (devcache.py): discrete GPUs, the engine's backends; unified memory reads the host
-        # cache in place
-        dc = (devcache.acquire(table, a.prefill_device(), a)
-              if self.mode in ("copy", "gds") and self.backend in rowcache.CACHED_BACKENDS else None)
-        self.dest, self.mode = build(spec, self.mode, dc)
+        self.dest, self.mode = build(spec, self.mode, a.prefill_device())
         self.graphs: dict = {}
         self.g_events: dict = {}
         self.stats = Stats()
@@ -309,7 +304,7 @@ class GpuPrefill:
                 a.defer(self.stream, lambda: outs.append(tuple(x if x is None else x.clone() for x in out)))
             if progress:
                 progress(tok.size)
-        mode = "eager" if not self.graph else "staged" if self.mode == "gds" else "overlap"
+        mode = self.dest.schedule if self.graph else "eager"
         t0 = time.perf_counter()
         try:
             with a.using(self.stream):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import accel as accel_mod
-from . import arrays, destinations, devcache, forksafe, quants, rowcache
+from . import arrays, destinations, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import (BackendError, BadIdsError, HeaderError, StagingCapacityError, TableClosedError,
@@ -279,9 +279,7 @@ class Table:
         need = max(plan.window_bytes, plan.n_unique * self.row_bytes, 1 << 19)
         # (a proxy: the finalizer holds the destinations, which must not keep the Table alive)
         spec = destinations.Spec(weakref.proxy(self), a, name, n, 1 << (2 * need - 1).bit_length(), slots=1)
-        dc = (devcache.acquire(self, a.dev_id(), a)
-              if mode in ("copy", "gds") and name in rowcache.CACHED_BACKENDS else None)
-        d, _ = destinations.build(spec, mode, dc)
+        d, _ = destinations.build(spec, mode, a.dev_id())
         self._dests[key] = d
         log.info("%s: GPU rows via %s -> %s (a slot of %d rows)", self.path.name, name, d.how, n)
         return d
@@ -331,7 +329,7 @@ class Table:
         name, mode, _ = self.device_choice(backend)
         self._turn(stream)
         host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
-        plan = self.plan(host, align=self.gds_align if mode == "gds" else None)
+        plan = self.plan(host, align=destinations.align_for(self, mode))
         return (plan, *self._fetch_device(plan, name, mode, stream, wait=False))
 
     @property
