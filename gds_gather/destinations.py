@@ -320,7 +320,7 @@ class CachedGds(_Cached):
 def build(spec: Spec, mode: str, device_id: int | None = None) -> tuple[Destination, str]:
     """The destination of `mode` for `spec`; (destination, mode): zero-copy needs readers with staging, and
     becomes copy (said in the log) without. With `device_id`, copy and gds of the engine's backends get the
-    device row cache of that device (discrete GPUs; unified memory reads the host cache in place). On an error the
+    device row cache of that device (discrete GPUs; zero-copy goes through the host cache). On an error the
     readers opened and the cache are given back."""
     if mode == "resident":
         return Resident(spec), mode

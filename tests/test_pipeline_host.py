@@ -258,6 +258,31 @@ def test_table_gather_on_the_device_path_is_exact(table_file, dest):
         assert st["bytes_requested"] > 0
 
 
+@pytest.mark.parametrize("dest", ["copy", "copy+cache", "zero-copy", "gds", "gds+cache"])
+def test_a_batch_larger_than_the_slot_rebuilds_the_destination(tmp_path, ggufs, dest):
+    """Table's device path starts with a slot for the first batch (at least 1,024 rows) and rebuilds it twice as
+    large for a batch that does not fit: rows exact before and after, one destination open, and the device cache
+    (pooled per file) still holds the rows admitted before the rebuild."""
+    from gguf import GGMLQuantizationType as Q
+    platform, backend, budget = DESTS[dest]
+    path = ggufs.write(tmp_path / "wide.gguf", ggufs.rows(Q.Q8_0, 5000, 32, seed=3), Q.Q8_0)
+    with gg.open_table(path, config=_cfg(platform, budget)) as t:
+        s = t.accel.stream()
+        small, big = np.arange(0, 40, 2), np.random.default_rng(1).permutation(5000)[:3000]
+        hits = []
+        for ids in (small, big, small):
+            got = t.gather(ids.view(HostArray), backend, stream=s)
+            t.accel.synchronize(s)
+            np.testing.assert_array_equal(np.asarray(got), t.gather(ids))
+            d = t.readers()[1][-1]
+            hits.append(d.cache.hits if d.cache is not None else 0)
+        (d,) = t.readers()[1]
+        assert d.N >= 3000 and d.name == dest.split("+")[0]
+        assert (d.cache is not None) == bool(budget)
+        if budget:      # the last batch: all 20 rows device-cache hits (big holds only ~60% of them)
+            assert hits[2] - hits[1] == small.size
+
+
 def test_the_staging_is_waited_for_before_another_stream_reuses_it(table_file):
     """A gather on stream B after one on stream A: the destination's staging is rewritten only after A's queued kernel
     ran (Table waits for the last stream); both results exact."""
