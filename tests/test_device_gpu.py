@@ -74,6 +74,20 @@ def test_staging_reuse_waits_for_the_stream(table_and_rows):
         np.testing.assert_array_equal(cp.asnumpy(b), rows[100:200])
 
 
+@pytest.mark.parametrize("platform,cache", [("discrete", 0), ("discrete", 1 << 20), ("unified", 0)])
+def test_a_batch_beyond_the_slot_rebuilds_the_destination(table_and_rows, platform, cache):
+    """Table's device destination starts with a slot for the first batch and is rebuilt twice as large for one
+    that does not fit (issue 17: the prefill's destinations, one slot): rows exact before and after, on a GPU."""
+    import cupy as cp
+    path, rows = table_and_rows
+    with gg.open_table(path, config=gg.Config(platform=platform, cache_bytes=cache)) as t:
+        for ids in (np.arange(0, 40, 2), np.random.default_rng(2).permutation(5000)[:3000], np.arange(0, 40, 2)):
+            got = t.read_rows(cp.asarray(ids), "direct")
+            np.testing.assert_array_equal(cp.asnumpy(got), rows[ids])
+        (d,) = t.readers()[1]
+        assert d.N >= 3000 and (d.cache is not None) == bool(cache and platform == "discrete")
+
+
 def test_auto_reports_the_choice(table_and_rows):
     from gds_gather.backends import resolve_device
     name, mode, why = resolve_device("auto", gg.Config())
