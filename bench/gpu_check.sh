@@ -151,7 +151,7 @@ TEST_STEPS="test-kernels|90|tests/test_kernels_gpu.py
 test-device|90|tests/test_device_gpu.py;-k;not read_error_mid_prefill
 test-faults|120|tests/test_device_gpu.py;-k;read_error_mid_prefill
 test-prefill|120|tests/test_prefill.py
-test-other|60|tests/test_hf.py;tests/test_rowcache.py;tests/test_trunk.py;tests/test_gpu_review.py"
+test-other|60|tests/test_hf.py;tests/test_rowcache.py;tests/test_trunk.py;tests/test_gpu_review.py;tests/test_vllm.py"
 export TEST_STEPS
 
 collect() {   # collect ARGS...: the node ids of the gpu tests ARGS select, one a line
