@@ -37,7 +37,7 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     with index.lock:
         g, slots = index.gen, index.lookup(unique)
         hit = slots >= 0
-        nh = int(hit.sum())
+        nh = int(np.count_nonzero(hit))
         if nh == U:
             early = store.all_hits(slots)       # under the look-up's lock: no slot changes in between
     io["cache_hits"] += nh
