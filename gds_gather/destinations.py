@@ -22,7 +22,7 @@ from .readers import HOST_READERS
 from .schedule import check_fits
 
 log = logging.getLogger(__name__)
-KEPT_WHILE_QUEUED: list = []    # readers of destinations closed with device work queued: never unmapped
+KEPT_WHILE_QUEUED: list = []    # (readers, destination) closed with device work queued: never freed
 
 
 @dataclass(frozen=True)
@@ -101,11 +101,12 @@ class Destination:
         """A run failed: the device may not have done what the host recorded."""
 
     def close(self, busy: bool) -> None:
-        """Close the readers (busy: device work that may read their staging is still queued: they are kept
-        mapped for the process's life instead) and give the device cache back (busy: never lend it again)."""
+        """Close the readers and give the device cache back. busy: device work that may read this destination's
+        buffers (pinned host memory included: cupy's pool would lend it again) or its readers' staging is still
+        queued: all of it is kept for the process's life instead, and the cache is never lent again."""
         readers, self.readers = self.readers, []
         if busy:
-            KEPT_WHILE_QUEUED.append(readers)
+            KEPT_WHILE_QUEUED.append((readers, self))
         first = None
         for r in [] if busy else readers:
             try:

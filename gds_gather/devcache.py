@@ -1,30 +1,33 @@
-"""The device-resident row cache of the GPU prefill: rows that hit stay in GPU memory, inside the captured graph.
+"""The device-resident row cache of the cached destinations (destinations.py: the GPU prefill's, inside its
+captured graph, and Table's device path): rows that hit stay in GPU memory.
 
 One device byte pool per cache: ``[cache slots: capacity x row_bytes | fresh area]``. The host keeps the index and
 the policy (a `rowcache.RowCache(store=False)`, the same TinyLFU policy and budget as the host cache); the bytes
-of cached rows exist only in the pool. Per ubatch the host (source.through with `source.DeviceRows`) looks the
-unique rows up, reads only the misses, and writes for the device: one offsets array (hits: ``slot x row_bytes``; misses: where the fresh row will
-be in the pool), the admissions (fresh offset -> slot offset) and two counts. The device then, in stream order
-(pipeline.GpuPrefill, in the graph):
+of cached rows exist only in the pool. Per batch the host (source.through with `source.DeviceRows`) looks the
+unique rows up, reads only the misses, and writes for the device: one offsets array (hits: ``slot x row_bytes``;
+misses: where the fresh row will be in the pool), the admissions (fresh offset -> slot offset) and two counts. The
+device then, in stream order:
 
 1. "copy" (discrete GPU, host reader): copies the fresh rows from the slot's pinned, GPU-mapped host buffer into
    the fresh area with `gg_copy_words`, whose size it reads from device memory, so only misses cross PCIe (a
    graph's memcpy node has a fixed size); "gds": cuFile already read the misses' windows into the slot's region
    of the fresh area, before the replay;
 2. the dequant kernel reads hits and fresh rows through the one offsets array, in the same launch;
-3. `gg_copy_rows` copies the admitted fresh rows into their slots.
+3. `gg_copy_rows` copies the admitted fresh rows into their slots (the prefill queues it after the kernel; Table
+   before the caller's kernel, which is as safe: an admission never overwrites a slot this batch hits).
 
-Why a hit is never a wrong row: the host index changes only in that host step, in ubatch order, and the device applies
-each ubatch's admissions after that ubatch's dequant, on one stream, in the same order; a slot the host evicts
-for ubatch k+1 is rewritten by k+1's step, which runs after k's step finished reading it; the current ubatch's
-hits are never victims (`protect`). The fresh area is shared by the slots' steps (copy) or split per slot (gds:
-cuFile writes slot k+1's region while the device may still run k). Hits are only as fresh as the file: an
-all-hit ubatch checks the file's identity as a read would. On any error the prefill clears the index (the
-device may not have made what the host recorded), and `scrub` makes a released step copy nothing.
+Why a hit is never a wrong row: the host index changes only in that host step, in batch order, and the device
+applies each batch's admissions on one stream, in the same order; a slot the host evicts for batch k+1 is
+rewritten by k+1's step, which runs after k's step finished reading it; the current batch's hits are never
+victims (`protect`). The fresh area is shared by the slots' steps (copy) or split per slot (gds: cuFile writes
+slot k+1's region while the device may still run k). Hits are only as fresh as the file: an all-hit batch checks
+the file's identity as a read would. On any error the holder clears the index (the device may not have made what
+the host recorded), and `scrub` makes a released step copy nothing.
 
-A cache belongs to one file identity and device, and is lent to one prefill at a time (`acquire`/`release`), so a
-long-lived process keeps its hot rows across prompts; a second concurrent prefill of the same table gets a
-private cache. Unified memory ("zero-copy") uses the host cache: its rows are already in memory the GPU reads.
+A cache belongs to one file identity and device, and is lent to one holder at a time (`acquire`/`release`: a
+prefill, or a Table's device destination for the Table's life), so a long-lived process keeps its hot rows across
+prompts; a second concurrent holder of the same table gets a private cache. Unified memory ("zero-copy") uses the
+host cache.
 """
 from __future__ import annotations
 

@@ -126,6 +126,7 @@ class Table:
         self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
         self._last: list = []               # [destinations.LastStream] of the device fetches, once there was one
         self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
+        self._closed_bytes = 0              # bytes requested by device destinations closed since (rebuilt, timed)
         self._fin = weakref.finalize(self, _release, self._readers, self._dests, self._ahead, self._last)
 
     # -- metadata ------------------------------------------------------------------------------------------
@@ -263,8 +264,9 @@ class Table:
         return s
 
     def _destination(self, name: str, mode: str, plan: ReadPlan):
-        """The (name, mode) destination, built (or rebuilt twice as large) where `plan` does not fit its slot; the
-        streams that used the old one are done with it (_fetch_device waited)."""
+        """The (name, mode) destination, built (or rebuilt at least twice as large) where `plan` does not fit its
+        slot; the streams that used the old one are done with it (_fetch_device waited, or with host_ids the
+        caller did)."""
         key = (name, mode)
         d = self._dests.get(key)
         if d is not None:
@@ -273,12 +275,16 @@ class Table:
                 return d
             except StagingCapacityError:
                 del self._dests[key]
+                self._closed_bytes += d.bytes_read
                 d.close(False)
         a = self.accel
         n = 1 << max(10, (2 * plan.n_unique - 1).bit_length())
         need = max(plan.window_bytes, plan.n_unique * self.row_bytes, 1 << 19)
+        bound = 1 << (2 * need - 1).bit_length()
+        if d is not None:               # never smaller than the slot it replaces (no rebuild back and forth)
+            n, bound = max(n, 2 * d.N), max(bound, 2 * d.spec.bound)
         # (a proxy: the finalizer holds the destinations, which must not keep the Table alive)
-        spec = destinations.Spec(weakref.proxy(self), a, name, n, 1 << (2 * need - 1).bit_length(), slots=1)
+        spec = destinations.Spec(weakref.proxy(self), a, name, n, bound, slots=1)
         d, _ = destinations.build(spec, mode, a.dev_id())
         self._dests[key] = d
         log.info("%s: GPU rows via %s -> %s (a slot of %d rows)", self.path.name, name, d.how, n)
@@ -313,6 +319,7 @@ class Table:
                         a.synchronize(None)
                         best = min(best, time.perf_counter() - t0)
                 finally:
+                    self._closed_bytes += d.bytes_read
                     d.close(False)
                 return best
             tg, td = timed("gds", "gds"), timed("direct", "copy")
@@ -349,7 +356,7 @@ class Table:
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
         caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
         st = rowcache.stats(self, [d.cache for d in self._dests.values() if d.cache is not None],
-                            sum(r.bytes_read for rs in self.readers() for r in rs))
+                            sum(r.bytes_read for rs in self.readers() for r in rs) + self._closed_bytes)
         for ahead in self._ahead.values():
             for k, v in ahead.counts().items():
                 st[k] += v
@@ -464,9 +471,14 @@ def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None)
 
 
 def _through_slot(dest, plan: ReadPlan, s):
-    """One batch through a destination's slot 0 on stream s (queued): (staging, offset of each unique row)."""
-    dest.stage(plan, 0)
+    """One batch through a destination's slot 0 on stream s (queued): (staging, offset of each unique row). On an
+    error the destination's device cache is cleared: its index may hold rows the device never received."""
     n = plan.n_unique
-    staging, offs = dest.inputs(0, n, s)
-    dest.after(0, s)
+    try:
+        dest.stage(plan, 0)
+        staging, offs = dest.inputs(0, n, s)
+        dest.after(0, s)
+    except BaseException:
+        dest.failed()
+        raise
     return staging, offs[:n]

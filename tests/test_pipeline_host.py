@@ -176,7 +176,7 @@ def test_close_with_work_queued_keeps_the_staging_and_discards_the_device_cache(
     with gg.open_table(model, config=_cfg("discrete", BUDGET)) as t:
         p = GpuPrefill(t, RowMapper(t), backend="direct", ubatch=UB, graph=True, dtype="float32", trunk="none",
                        accel=HostAccel())
-        readers, dc = list(p.readers), p.dest.dc
+        readers, dc, dest = list(p.readers), p.dest.dc, p.dest
         p._ub = [np.arange(1, UB + 1)]
         if queued:
             p.launch(UB, 0)             # a replay queued, waiting for flag 0 (never released)
@@ -185,10 +185,11 @@ def test_close_with_work_queued_keeps_the_staging_and_discards_the_device_cache(
             assert p.closed and p.readers == []
             assert [r.fd < 0 for r in readers] == [not queued] * 2       # closed readers gave their fd back
             assert (dc.key in devcache._POOLS) == (not queued) and (dc.in_use is False or queued)
-            assert (readers in destinations.KEPT_WHILE_QUEUED) == queued
+            kept = [k for k in destinations.KEPT_WHILE_QUEUED if k[0] == readers]
+            assert bool(kept) == queued and all(d is dest for _, d in kept)     # the buffers too, not only readers
         finally:
             if queued:
-                destinations.KEPT_WHILE_QUEUED.remove(readers)
+                destinations.KEPT_WHILE_QUEUED.remove(kept[0])
                 for r in readers:
                     r.close()
 
@@ -276,11 +277,37 @@ def test_a_batch_larger_than_the_slot_rebuilds_the_destination(tmp_path, ggufs, 
             np.testing.assert_array_equal(np.asarray(got), t.gather(ids))
             d = t.readers()[1][-1]
             hits.append(d.cache.hits if d.cache is not None else 0)
+            if len(hits) == 1:
+                first = t.readers()[1][0].bytes_read
         (d,) = t.readers()[1]
         assert d.N >= 3000 and d.name == dest.split("+")[0]
         assert (d.cache is not None) == bool(budget)
         if budget:      # the last batch: all 20 rows device-cache hits (big holds only ~60% of them)
             assert hits[2] - hits[1] == small.size
+        host = sum(r.bytes_read for r in t.readers()[0])     # the closed slot's bytes are still counted
+        assert t.stats()["bytes_requested"] - host == first + d.bytes_read > first > 0
+
+
+@pytest.mark.parametrize("dest", ["copy+cache", "gds+cache"])
+def test_a_failed_device_copy_leaves_no_false_device_cache_hits(table_file, dest, monkeypatch):
+    """The admissions' copy (or the fresh rows' copy) fails after the cached source admitted the misses: the
+    device cache is cleared, so the next gather of the same rows reads them again and is exact (the index would
+    otherwise claim rows the pool never received)."""
+    platform, backend, budget = DESTS[dest]
+    with gg.open_table(table_file, config=_cfg(platform, budget)) as t:
+        acc, s = t.accel, t.accel.stream()
+        ids = _ids(40, 3)
+        with monkeypatch.context() as m:
+            def refuse(*a, **kw):
+                raise RuntimeError("launch failed (test)")
+            m.setattr(acc, "copy_rows", refuse)
+            with pytest.raises(RuntimeError, match="launch failed"):
+                t.gather(ids.view(HostArray), backend, stream=s)
+        acc.synchronize(s)
+        got = t.gather(ids.view(HostArray), backend, stream=s)
+        acc.synchronize(s)
+        np.testing.assert_array_equal(np.asarray(got), t.gather(ids))
+        assert t.readers()[1][0].cache.hits == 0          # nothing was served from the cleared cache
 
 
 def test_the_staging_is_waited_for_before_another_stream_reuses_it(table_file):
