@@ -1,9 +1,9 @@
 """Locks that survive fork(): a child gets fresh locks in every live object that asked for it.
 
 A lock held by another thread of the parent at the moment of fork() stays held forever in the child (that thread
-does not exist there), so the child's first read on an inherited Table would hang. Objects name their lock
-attributes in `_FORK_LOCKS` and call `track(self)`; hooks registered with `on_child` run after that (e.g. the row
-cache forgets the parent's caches, which another parent thread may have been changing mid-fork).
+does not exist there), so the child's first read on an inherited Table would hang. Objects call `track(self,
+"lock", ...)` with the names of their lock attributes; hooks registered with `on_child` run after that (e.g. the
+row cache forgets the parent's caches, which another parent thread may have been changing mid-fork).
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import threading
 import weakref
 
 _RLOCK = type(threading.RLock())
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # object -> names of its lock attributes
 _HOOKS: list = []
 
 
-def track(obj) -> None:
-    """Give `obj`'s locks (the attributes named in obj._FORK_LOCKS) fresh ones in a forked child."""
-    _LIVE.add(obj)
+def track(obj, *locks: str) -> None:
+    """Give `obj`'s locks (its attributes named `locks`) fresh ones in a forked child."""
+    _LIVE[obj] = locks
 
 
 def on_child(fn) -> None:
@@ -27,8 +27,8 @@ def on_child(fn) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for obj in list(_LIVE):
-        for name in getattr(obj, "_FORK_LOCKS", ()):
+    for obj, names in list(_LIVE.items()):
+        for name in names:
             old = getattr(obj, name, None)
             if old is not None:
                 setattr(obj, name, threading.RLock() if isinstance(old, _RLOCK) else threading.Lock())

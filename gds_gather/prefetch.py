@@ -29,7 +29,6 @@ COUNTED = ("rows_from_device", "rows_from_page_cache", "rows_buffered")
 class Prefetcher:
     """The prefetches of one Table and backend: up to DEPTH in flight, then up to KEEP finished ones."""
 
-    _FORK_LOCKS = ("lock",)
 
     def __init__(self, table, new_reader):
         self.table = table
@@ -41,7 +40,7 @@ class Prefetcher:
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="gds-gather-prefetch")
         self.turn = 0
-        forksafe.track(self)
+        forksafe.track(self, "lock")
 
     def open(self) -> None:
         """The readers and threads, made now (before a caller's clock starts) rather than by the first prefetch."""

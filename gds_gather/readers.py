@@ -400,7 +400,6 @@ class _FdReader(Reader):
     merge_runs = True       # buffered exact-row reads: adjacent rows in one read (200,000 contiguous 90 B rows on
     #                         tmpfs, 4 native threads: 74 ms row by row, 19 ms in runs)
 
-    _FORK_LOCKS = ("_lock",)
 
     def __init__(self, *a, direct: bool, **kw):
         super().__init__(*a, **kw)
@@ -414,7 +413,7 @@ class _FdReader(Reader):
         self.last_from_page_cache = None   # bool [U] of the last O_DIRECT fetch: rows copied from the page cache
         self.during_io = None       # read(plan, during_io=f): f() runs once while the reads are in flight
         self._lock = threading.RLock()
-        forksafe.track(self)
+        forksafe.track(self, "_lock")
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         from .storage import filesystem
         fs = filesystem(self.path)

@@ -204,7 +204,6 @@ class RowCache:
     store=False keeps the index and policy only (the device cache keeps the bytes in GPU memory).
     """
 
-    _FORK_LOCKS = ("lock",)
 
     def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True, max_rows: int | None = None):
         self.row_bytes = int(row_bytes)
@@ -228,7 +227,7 @@ class RowCache:
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)
         self.lock = threading.Lock()
         self._dirty = False     # an admission or an emptying was interrupted: empty before the next use
-        forksafe.track(self)
+        forksafe.track(self, "lock")
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
         self._age = 0
         self.gen = 0                                    # admissions so far (see admit)

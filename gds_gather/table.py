@@ -86,7 +86,6 @@ class Table:
     `path`), path (the shard holding the table), name, arch, n_bytes.
     """
 
-    _FORK_LOCKS = ("_lock",)
 
     def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
         self.config = config or Config.from_env()
@@ -121,7 +120,7 @@ class Table:
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
-        forksafe.track(self)                # ... and to use in a forked child
+        forksafe.track(self, "_lock")                # ... and to use in a forked child
         self.io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # where rows came from (counters; see stats())
         self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
         self._last: list = []               # [destinations.LastStream] of the device fetches, once there was one

@@ -129,7 +129,6 @@ class Ring:
 
     max_chunk = MAX_CHUNK      # tests lower it to exercise the splitting of large extents
 
-    _FORK_LOCKS = ("_lock",)
 
     def __init__(self, depth: int = 128):
         p = _Params()
@@ -167,7 +166,7 @@ class Ring:
             self.close()
             raise
         self._lock = threading.Lock()
-        forksafe.track(self)
+        forksafe.track(self, "_lock")
         self.buffer_registered = False
         self.files_registered = False
         self.inject = None     # tests: callable(res int32[k], user_data[k]) -> res, applied to completions

@@ -13,11 +13,10 @@ SEEN = {}
 
 
 class Locked:
-    _FORK_LOCKS = ("lock", "rlock", "absent")
 
     def __init__(self):
         self.lock, self.rlock, self.absent = threading.Lock(), threading.RLock(), None
-        forksafe.track(self)
+        forksafe.track(self, "lock", "rlock", "absent")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
