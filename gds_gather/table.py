@@ -120,7 +120,7 @@ class Table:
         self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
-        forksafe.track(self, "_lock")                # ... and to use in a forked child
+        forksafe.track(self, "_lock")       # ... and to use in a forked child
         self.io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # where rows came from (counters; see stats())
         self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
         self._last: list = []               # [destinations.LastStream] of the device fetches, once there was one
