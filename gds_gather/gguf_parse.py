@@ -13,6 +13,7 @@ the header's size and memory proportional to the number of keys and tensors (bot
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -270,8 +271,8 @@ class GGUFHeader:
 
     def __init__(self, path, table: str | None = None):
         self.path = path = Path(path)
-        with open(path, "rb") as f:
-            self.size = size = f.seek(0, 2)
+        with open(path, "rb") as f:     # (gguf_file.read_gguf refused what is not a regular file)
+            self.size = size = os.fstat(f.fileno()).st_size     # (/proc files say 0 and refuse a seek to their end)
             if size == 0:
                 raise NotGGUFError(f"{path}: empty file, not a GGUF file")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

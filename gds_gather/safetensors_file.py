@@ -44,6 +44,8 @@ def is_safetensors_source(path) -> bool:
         return True
     if p.suffix == ".json" or p.suffix == ".safetensors":
         return True
+    if not p.is_file():         # a FIFO's open would wait for a writer; a device is no model either
+        return False
     try:
         with open(p, "rb") as f:
             head = f.read(9)

@@ -453,3 +453,27 @@ def test_a_dtype_that_cannot_even_be_printed_is_a_bad_dtype():
         arrays.dtype_name(Weird())
     with pytest.raises(TypeError, match="not a CUDA stream: 'default'"):
         arrays.stream_ptr("default")
+
+
+def test_a_fifo_and_a_proc_file_are_refused_by_name_without_waiting(tmp_path):
+    """A FIFO's open waits for a writer (the safetensors sniffing opened it: a hang); a /proc file is "regular" with
+    size 0 and refuses a seek to its end (an OSError without the file's name)."""
+    import threading
+    fifo = tmp_path / "table.gguf"
+    os.mkfifo(fifo)
+    got = []
+    th = threading.Thread(target=lambda: got.append(_refusal(fifo)), daemon=True)
+    th.start()
+    th.join(10)
+    assert got and isinstance(got[0], gg.NotGGUFError) and str(fifo) in str(got[0]), got
+    if os.path.exists("/proc/self/mem"):
+        e = _refusal("/proc/self/mem")
+        assert isinstance(e, gg.NotGGUFError) and "/proc/self/mem" in str(e)
+
+
+def _refusal(path):
+    try:
+        gg.open_table(path)
+    except Exception as e:      # noqa: BLE001 (the test checks its type)
+        return e
+    return None
