@@ -25,13 +25,26 @@ def test_bad_cache_sizes(text, words, capsys):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_os_error_is_one_line_and_exit_1(capsys):
-    """/proc/self/mem opens but cannot be mapped (EINVAL): an OSError that is not a missing file."""
-    assert main(["info", "/proc/self/mem"]) == 1
+def test_os_error_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
+    """An OSError that is not a missing file (EINVAL from a read): one line, exit 1; -v raises it."""
+    from gds_gather import gguf_parse
+
+    def einval(self, path, table=None):
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(gguf_parse.GGUFHeader, "__init__", einval)
+    path = tmp_path / "t.gguf"
+    path.write_bytes(b"GGUF")
+    assert main(["info", str(path)]) == 1
     err = capsys.readouterr().err
     assert err == "gds-gather: error: OSError: [Errno 22] Invalid argument\n"
     with pytest.raises(OSError):
-        main(["-v", "info", "/proc/self/mem"])
+        main(["-v", "info", str(path)])
+
+
+def test_a_proc_file_is_refused_by_name(capsys):
+    """/proc/self/mem is "regular" with size 0 and refuses a seek to its end: refused as no GGUF, naming it."""
+    assert main(["info", "/proc/self/mem"]) == 2
+    assert capsys.readouterr().err == "gds-gather: error: /proc/self/mem: empty file, not a GGUF file\n"
 
 
 def test_main_from_a_worker_thread(tmp_path, capsys):
