@@ -423,14 +423,11 @@ def _model_class(model_class, name_or_path, kwargs):
     maps the checkpoint's config to. The config is loaded once and passed on to from_pretrained."""
     import transformers
     auto = model_class or transformers.AutoModelForCausalLM
-    if auto is transformers.AutoModelForCausalLM:
-        mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING      # that Auto class's mapping, public
-    elif hasattr(auto, "_model_mapping"):
-        # another Auto class: transformers (5.24) links an Auto class to its mapping only through this attribute
-        # (from_config would build the model to learn its class)
-        mapping = auto._model_mapping
-    else:
-        return auto
+    public = {transformers.AutoModelForCausalLM: "MODEL_FOR_CAUSAL_LM_MAPPING", transformers.AutoModel: "MODEL_MAPPING",
+              transformers.AutoModelForImageTextToText: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"}
+    mapping = getattr(transformers, public[auto]) if auto in public else None     # the Auto classes' mappings
+    if mapping is None and not auto.__module__.startswith("transformers.models.auto."):
+        return auto                 # a concrete class
     config = kwargs.get("config")
     if config is None or isinstance(config, (str, Path)):
         hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
@@ -438,8 +435,12 @@ def _model_class(model_class, name_or_path, kwargs):
         config = transformers.AutoConfig.from_pretrained(config or name_or_path, **hub)
         kwargs["config"] = config
     try:
-        return mapping[type(config)]
-    except KeyError:
+        if mapping is not None:
+            return mapping[type(config)]
+        import torch
+        with torch.device("meta"):  # another Auto class: built without memory, for its class (no public mapping)
+            return type(auto.from_config(config))
+    except (KeyError, ValueError):
         raise ModelMismatchError(f"{name_or_path}: {auto.__name__} has no model class for "
                                  f"{type(config).__name__}; pass model_class=") from None
 

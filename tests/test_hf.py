@@ -547,6 +547,11 @@ def test_multimodal_model_class(tmp_path):
     ids = _ids(9)
     with torch.no_grad():
         assert torch.equal(ref(input_ids=ids).logits, model(input_ids=ids).logits)
+    # an Auto class without a public mapping: its class learnt by building it on the meta device
+    pre = from_pretrained(tmp_path, model_class=transformers.AutoModelForPreTraining)
+    assert type(pre) is cls
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids).logits, pre(input_ids=ids).logits)
 
 
 # the real per-layer shape is 262,144 x 4 x 256; here the vocabulary is 65,536 (a 128 MiB bf16 table, 256 MiB in

@@ -121,6 +121,12 @@ def test_a_config_no_causal_lm_class_maps_is_refused(tmp_path):
     with pytest.raises(ModelMismatchError, match=rf"^{tmp_path}: AutoModelForCausalLM has no model class for "
                                                  r"ViTConfig; pass model_class=$"):
         hf.from_pretrained(tmp_path)
+    with pytest.raises(ModelMismatchError, match=rf"^{tmp_path}: AutoModelForCausalLM has no model class for "):
+        hf.from_pretrained(tmp_path, model_class=transformers.AutoModelForCausalLM)
+    # an Auto class without a public mapping: its from_config on the meta device refuses the config
+    with pytest.raises(ModelMismatchError, match=rf"^{tmp_path}: AutoModelForTextToWaveform has no model class for "
+                                                 r"ViTConfig; pass model_class=$"):
+        hf.from_pretrained(tmp_path, model_class=transformers.AutoModelForTextToWaveform)
 
 
 def test_a_model_directory_without_safetensors_needs_a_table(ckpt, tmp_path):
