@@ -29,7 +29,6 @@ COUNTED = ("rows_from_device", "rows_from_page_cache", "rows_buffered")
 class Prefetcher:
     """The prefetches of one Table and backend: up to DEPTH in flight, then up to KEEP finished ones."""
 
-
     def __init__(self, table, new_reader):
         self.table = table
         self._new_reader = new_reader

@@ -400,7 +400,6 @@ class _FdReader(Reader):
     merge_runs = True       # buffered exact-row reads: adjacent rows in one read (200,000 contiguous 90 B rows on
     #                         tmpfs, 4 native threads: 74 ms row by row, 19 ms in runs)
 
-
     def __init__(self, *a, direct: bool, **kw):
         super().__init__(*a, **kw)
         self.fd = -1

@@ -204,7 +204,6 @@ class RowCache:
     store=False keeps the index and policy only (the device cache keeps the bytes in GPU memory).
     """
 
-
     def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True, max_rows: int | None = None):
         self.row_bytes = int(row_bytes)
         self.budget = int(budget)

@@ -129,7 +129,6 @@ class Ring:
 
     max_chunk = MAX_CHUNK      # tests lower it to exercise the splitting of large extents
 
-
     def __init__(self, depth: int = 128):
         p = _Params()
         self.fd = _sys(SYS_SETUP, ctypes.c_uint32(depth), ctypes.byref(p))
