@@ -46,10 +46,15 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
         reader.check_file()
         io["rows_from_cache"] += nh
         return early
-    if plan is None:
-        plan = table.plan(unique)
     missed = unique[~hit]
     protect = slots[hit]
+    if plan is None:            # (the rows are sorted and unique: each plan is of the rows as given)
+        plan_rows = table.plan
+        mplan = table.plan(missed)
+    else:
+        def plan_rows(r):
+            return replan(plan, table.config, r)
+        mplan = plan_rows(missed) if nh else plan
 
     def admit(lo: int, hi: int, fresh):
         """Offer misses [lo, hi) just read (fresh: their bytes, or None for an index-only cache); returns (their
@@ -65,8 +70,8 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
                               gen=g if hi - lo == missed.shape[0] else None)
         return keep, new
     pc0 = reader.rows_from_page_cache
-    batch = store.batch(plan, slots, missed)
-    n_stale = batch.read(reader, replan(plan, table.config, missed) if nh else plan, admit, table.config)
+    batch = store.batch(unique, slots, missed)
+    n_stale = batch.read(reader, mplan, admit, plan_rows)
     io["rows_from_cache"] += nh - n_stale
     pc = count_reader(io, reader, pc0, U - nh + n_stale)
     return batch.result(nh, pc)
@@ -98,31 +103,32 @@ class HostRows:
     def all_hits(self, slots: np.ndarray) -> np.ndarray:
         return self.index.data.take(slots, axis=0)
 
-    def batch(self, plan: ReadPlan, slots: np.ndarray, rows: np.ndarray) -> "_HostBatch":
-        return _HostBatch(self.index, plan, slots, rows)
+    def batch(self, unique: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> "_HostBatch":
+        return _HostBatch(self.index, unique, slots, rows)
 
 
 class _HostBatch:
-    def __init__(self, cache, plan, slots, rows):
-        self.cache, self.plan, self.slots, self.rows = cache, plan, slots, rows
+    def __init__(self, cache, unique, slots, rows):
+        self.cache, self.unique, self.slots, self.rows = cache, unique, slots, rows
         self.out = None
 
-    def read(self, reader, mplan: ReadPlan, admit, config) -> int:
-        """Read the misses into the result, copy the hits beside them; returns the hits read again (stale)."""
-        cache, plan, slots, rows = self.cache, self.plan, self.slots, self.rows
-        U, k = plan.n_unique, rows.shape[0]
+    def read(self, reader, mplan: ReadPlan, admit, plan_rows) -> int:
+        """Read the misses (mplan) into the result, copy the hits beside them; returns the hits read again
+        (stale), planned by plan_rows(rows)."""
+        cache, unique, slots, rows = self.cache, self.unique, self.slots, self.rows
+        U, k = unique.shape[0], rows.shape[0]
         if k == U:                   # every row missed: the reader's rows are the result
             kw = {"during_io": lambda: cache.prefault(U)} if reader.overlaps_io else {}
             self.out = reader.read(mplan, **kw)
             admit(0, k, self.out)
             return 0
-        out = self.out = np.empty((U, plan.row_bytes), np.uint8)
+        out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
         miss_pos = np.flatnonzero(slots < 0)
         stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
 
         def copy_hits():             # before any miss is in out (the copy may write every row)
             if not stale:
-                stale.append(cache.copy_hits(slots, plan.unique_rows, out))
+                stale.append(cache.copy_hits(slots, unique, out))
 
         def during_io():
             copy_hits()
@@ -139,7 +145,7 @@ class _HostBatch:
         copy_hits()                  # (no read was made: all from the page cache)
         if not stale[0].any():
             return 0
-        out[stale[0]] = reader.read(replan(plan, config, plan.unique_rows[stale[0]]))
+        out[stale[0]] = reader.read(plan_rows(unique[stale[0]]))
         return int(stale[0].sum())
 
     def result(self, hits: int, from_page_cache: int) -> np.ndarray:
@@ -176,17 +182,19 @@ class DeviceRows:
         none = np.zeros(0, np.int64)
         return Staged(slots * self.index.row_bytes, 0, none, none, slots.shape[0], 0, 0)
 
-    def batch(self, plan: ReadPlan, slots: np.ndarray, rows: np.ndarray) -> "_DeviceBatch":
-        return _DeviceBatch(self, plan, slots, rows)
+    def batch(self, unique: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> "_DeviceBatch":
+        return _DeviceBatch(self, slots, rows)
 
 
 class _DeviceBatch:
-    def __init__(self, store, plan, slots, rows):
+    def __init__(self, store, slots, rows):
         self.store, self.slots, self.rows = store, slots, rows
-        self.offsets = np.where(slots >= 0, slots * plan.row_bytes, 0)
+        self.offsets = np.where(slots >= 0, slots * store.index.row_bytes, 0)
         self.words, self.src, self.dst = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
 
-    def read(self, reader, mplan: ReadPlan, admit, config) -> int:
+    def read(self, reader, mplan: ReadPlan, admit, plan_rows) -> int:
+        """Read the misses (mplan) into the slot's fresh buffer or pool region (a device pool is lent to one
+        holder: no hit goes stale, plan_rows is not needed)."""
         st, rb, k = self.store, mplan.row_bytes, self.rows.shape[0]
         if st.region is None:
             got = reader.read(mplan)

@@ -86,7 +86,6 @@ class Table:
     `path`), path (the shard holding the table), name, arch, n_bytes.
     """
 
-
     def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
         self.config = config or Config.from_env()
         info, reader, meta_reader = _locate(path, tensor)
@@ -235,15 +234,13 @@ class Table:
         waits for `stream`.
         """
         name, mode, _ = self.device_choice(backend)
-        return self._fetch_device(plan, name, mode, stream, wait=True)
-
-    def _fetch_device(self, plan: ReadPlan, name: str, mode: str, stream, wait: bool):
-        """The plan through the (name, mode) destination's one slot, on `stream`. Another stream that read the
-        staging is waited for first, and so is `stream` (wait=False: the caller has waited for it)."""
-        a = self.accel
         s = self._turn(stream)
-        if wait:
-            a.synchronize(s)            # the previous batch's consumers on this stream are done with it
+        self.accel.synchronize(s)       # the previous batch's consumers on this stream are done with the staging
+        return self._fetch_device(plan, name, mode, s)
+
+    def _fetch_device(self, plan: ReadPlan, name: str, mode: str, s):
+        """The plan through the (name, mode) destination's one slot, on the accel stream `s`, which the caller
+        made the staging's (_turn) and waited for."""
         if mode == "gds":
             plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
         dest = self._destination(name, mode, plan)
@@ -264,7 +261,7 @@ class Table:
 
     def _destination(self, name: str, mode: str, plan: ReadPlan):
         """The (name, mode) destination, built (or rebuilt at least twice as large) where `plan` does not fit its
-        slot; the streams that used the old one are done with it (_fetch_device waited, or with host_ids the
+        slot; the streams that used the old one are done with it (its caller waited, or with host_ids the
         caller did)."""
         key = (name, mode)
         d = self._dests.get(key)
@@ -333,10 +330,10 @@ class Table:
         if arrays.kind(ids) == "host-device" and self.accel.name != "host":
             raise BackendError("HostAccel ids on a table whose Config.accel is not 'host'")
         name, mode, _ = self.device_choice(backend)
-        self._turn(stream)
+        s = self._turn(stream)
         host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
         plan = self.plan(host, align=destinations.align_for(self, mode))
-        return (plan, *self._fetch_device(plan, name, mode, stream, wait=False))
+        return (plan, *self._fetch_device(plan, name, mode, s))
 
     @property
     def typical_window(self) -> int:
