@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 PAGE_CACHE_QD = 1024    # buffered reads served from memory: the queue depth is only a batch size
 RUN_CHUNK = 256 << 10   # exact-row reads: runs of adjacent rows are read as one extent, split at this size
-# read(on_rows=...) of at least SPLIT_MIN O_DIRECT windows is submitted in two parts, the last quarter of the windows
-# second, and the first part's rows are handed over (copied out of staging, into the row cache) while the second part
-# is read: the split costs no measurable I/O time and the hand-over overlaps the copy (docs/decisions.md).
+# read(on_rows=...) of at least SPLIT_MIN O_DIRECT windows hands the rows of the windows complete once HANDOVER of
+# them are over (copied out of staging, into the row cache) while the rest are read, in one submission: the copy
+# overlaps the device (docs/decisions.md).
 SPLIT_MIN = 64
+HANDOVER = 0.75
 # O_DIRECT staging made at open, so a first read does not pay the fault-in and io_uring registration of fresh memory
 # (docs/decisions.md); larger batches still grow it in place.
 STAGING_INITIAL = 6 << 20
@@ -446,7 +447,7 @@ class _FdReader(Reader):
         if self.ring is not None and not self.ring.register_buffer(buf):
             self.notices.append("registering the staging buffer failed (RLIMIT_MEMLOCK?): plain io_uring reads")
 
-    def _submit(self, offsets, lengths, expect, dst: np.ndarray, dst_offsets) -> None:
+    def _submit(self, offsets, lengths, expect, dst: np.ndarray, dst_offsets, handover=None) -> None:
         raise NotImplementedError
 
     def fetch(self, plan: ReadPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -531,9 +532,10 @@ class _FdReader(Reader):
     def read(self, plan: ReadPlan, during_io=None, on_rows=None) -> np.ndarray | None:
         """The plan's unique rows, uint8 [U, row_bytes]. during_io: a callable run once while the reads are in
         flight (io_uring: right after the first submission; the thread pools: before them; not at all when every
-        row comes from the page cache). on_rows(lo, hi, rows): the rows are handed over in parts instead of
-        returned (read returns None): rows = the unique rows [lo, hi), parts in order; with io_uring and at least
-        SPLIT_MIN O_DIRECT windows, the first part comes while the last quarter of the windows is read."""
+        row comes from the page cache). on_rows(pos, rows): the rows are handed over in parts instead of
+        returned (read returns None): rows = the unique rows at positions pos (int64, ascending), every row in
+        exactly one part; with io_uring and at least SPLIT_MIN O_DIRECT windows, the rows of the windows complete
+        when HANDOVER of them are come while the others are read."""
         with self._lock:        # the rows are copied out before another thread's fetch can reuse the staging
             self.during_io = during_io
             try:
@@ -552,7 +554,7 @@ class _FdReader(Reader):
             self.last_from_page_cache = res
         elif on_rows is not None and self.odirect and self.ring is not None and res is None \
                 and plan.n_windows >= max(2, SPLIT_MIN):
-            self._read_in_two(plan, on_rows)
+            self._read_handing_over(plan, on_rows)
             return None
         else:
             staging, offsets = self._fetch_checked(plan, res)
@@ -562,26 +564,30 @@ class _FdReader(Reader):
                 out = staging[:plan.n_unique * plan.row_bytes].reshape(plan.n_unique, plan.row_bytes).copy()
         if on_rows is None:
             return out
-        on_rows(0, plan.n_unique, out)
+        on_rows(np.arange(plan.n_unique, dtype=np.int64), out)
         return None
 
-    def _read_in_two(self, plan: ReadPlan, on_rows) -> None:
-        """O_DIRECT windows in two submissions, the last quarter second: the first part's rows are copied out and
-        handed to on_rows while the second part is read, not after every read (see SPLIT_MIN)."""
-        W, rb = plan.n_windows, plan.row_bytes
-        k = W - max(1, W // 4)
-        r1 = int(np.searchsorted(plan.row_window, k))         # rows [0, r1) lie in windows [0, k)
+    def _read_handing_over(self, plan: ReadPlan, on_rows) -> None:
+        """O_DIRECT windows in one submission; once HANDOVER of them are complete, their rows are copied out and
+        handed to on_rows while the others are read, then the rest (see SPLIT_MIN)."""
+        rb, rw = plan.row_bytes, plan.row_window
         staging = self.staging.ensure(plan.window_bytes)
-        offs, lens, dst = plan.win_offsets, plan.win_lengths, plan.win_staging
+        offs, lens = plan.win_offsets, plan.win_lengths
         expect = np.minimum(offs + lens, self.file_size) - offs  # a window past the end of file stops there
         self.last_from_page_cache = None
-        self._submit(offs[:k], lens[:k], expect[:k], staging, dst[:k])          # (runs during_io)
-        self.during_io = lambda: on_rows(0, r1, rows_at(staging, plan.row_staging[:r1], rb))
-        self._submit(offs[k:], lens[k:], expect[k:], staging, dst[k:])
-        self._run_during_io()           # (a second part of no window: the first part's rows now)
+        first = np.zeros(plan.n_unique, bool)
+
+        def hand(done: np.ndarray) -> None:
+            first[:] = done[rw]
+            pos = np.flatnonzero(first)
+            on_rows(pos, rows_at(staging, plan.row_staging[pos], rb))
+        self._submit(offs, lens, expect, staging, plan.win_staging,
+                     handover=(max(1, int(plan.n_windows * HANDOVER)), hand))
         self.bytes_read += int(expect.sum())
         self.rows_from_device += plan.n_unique
-        on_rows(r1, plan.n_unique, rows_at(staging, plan.row_staging[r1:], rb))
+        rest = np.flatnonzero(~first)
+        if rest.shape[0]:
+            on_rows(rest, rows_at(staging, plan.row_staging[rest], rb))
 
     def close(self) -> None:
         with self._lock:
@@ -661,7 +667,7 @@ class _Engines(_FdReader):
         if self.staging.buf.nbytes:
             self._registered(self.staging.buf)
 
-    def _submit(self, offsets, lengths, expect, dst, dst_offsets) -> None:
+    def _submit(self, offsets, lengths, expect, dst, dst_offsets, handover=None) -> None:
         if offsets.shape[0] == 0:
             return
         if self.ring is not None and self.ring.foreign:
@@ -672,7 +678,7 @@ class _Engines(_FdReader):
             fn, self.during_io = self.during_io, None
             self.ring.read(self.fd, offsets, lengths, addrs, expect=expect, align=self.align, path=self.path,
                            queue_depth=wide_qd(self.config, lengths) if self.odirect else self.ring.sq_entries,
-                           between=fn)
+                           between=fn, handover=handover)
             return
         self._run_during_io()           # blocking engines: nothing to overlap with
         if self._lib is not None:

@@ -56,18 +56,18 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
             return replan(plan, table.config, r)
         mplan = plan_rows(missed) if nh else plan
 
-    def admit(lo: int, hi: int, fresh):
-        """Offer misses [lo, hi) just read (fresh: their bytes, or None for an index-only cache); returns (their
-        positions offered, the slot each went to or -1). Rows a read copied from the page cache are offered only
-        where the storage says so (reader.last_from_page_cache, where it covers these rows)."""
-        keep = np.arange(hi - lo)
+    def admit(pos: np.ndarray, fresh):
+        """Offer the misses at positions pos just read (fresh: their bytes, or None for an index-only cache);
+        returns (the indices into pos offered, the slot each went to or -1). Rows a read copied from the page cache
+        are offered only where the storage says so (reader.last_from_page_cache: the read's rows, all misses)."""
+        keep = np.arange(pos.shape[0])
         pc = None if store.admit_page_cache else reader.last_from_page_cache
-        if pc is not None and pc.shape[0] == hi - lo:
-            keep = keep[~pc]
+        if pc is not None and pc.shape[0] == missed.shape[0]:
+            keep = keep[~pc[pos]]
             fresh = fresh[keep] if fresh is not None else None
         with index.lock:
-            new = index.admit(missed[lo:hi][keep], fresh, protect=protect,
-                              gen=g if hi - lo == missed.shape[0] else None)
+            new = index.admit(missed[pos[keep]], fresh, protect=protect,
+                              gen=g if pos.shape[0] == missed.shape[0] else None)
         return keep, new
     pc0 = reader.rows_from_page_cache
     batch = store.batch(unique, slots, missed)
@@ -117,10 +117,19 @@ class _HostBatch:
         (stale), planned by plan_rows(rows)."""
         cache, unique, slots, rows = self.cache, self.unique, self.slots, self.rows
         U, k = unique.shape[0], rows.shape[0]
-        if k == U:                   # every row missed: the reader's rows are the result
-            kw = {"during_io": lambda: cache.prefault(U)} if reader.overlaps_io else {}
-            self.out = reader.read(mplan, **kw)
-            admit(0, k, self.out)
+        if k == U:                   # every row missed: no hits to copy
+            def all_rows(pos, fresh):
+                if pos.shape[0] == U:            # one part: the reader's rows are the result
+                    self.out = fresh
+                else:
+                    if self.out is None:
+                        self.out = np.empty((U, mplan.row_bytes), np.uint8)
+                    self.out[pos] = fresh
+                admit(pos, fresh)
+            if reader.overlaps_io:
+                reader.read(mplan, during_io=lambda: cache.prefault(U), on_rows=all_rows)
+            else:
+                all_rows(np.arange(k), reader.read(mplan))
             return 0
         out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
         miss_pos = np.flatnonzero(slots < 0)
@@ -134,14 +143,14 @@ class _HostBatch:
             copy_hits()
             cache.prefault(k)
 
-        def on_rows(lo, hi, fresh):  # the misses [lo, hi); a first part comes while the rest is read
+        def on_rows(pos, fresh):     # the misses at pos; a first part comes while the rest is read
             copy_hits()
-            out[miss_pos[lo:hi]] = fresh
-            admit(lo, hi, fresh)
+            out[miss_pos[pos]] = fresh
+            admit(pos, fresh)
         if reader.overlaps_io:
             reader.read(mplan, during_io=during_io, on_rows=on_rows)
         else:
-            on_rows(0, k, reader.read(mplan))
+            on_rows(np.arange(k), reader.read(mplan))
         copy_hits()                  # (no read was made: all from the page cache)
         if not stale[0].any():
             return 0
@@ -205,7 +214,7 @@ class _DeviceBatch:
             reader.read_windows(mplan)
             fo = int(st.region) + mplan.row_staging
         self.offsets[self.slots < 0] = fo
-        keep, new = admit(0, k, None)
+        keep, new = admit(np.arange(k), None)
         ok = new >= 0
         self.src, self.dst = fo[keep][ok], new[ok] * rb
         return 0

@@ -216,7 +216,7 @@ class Ring:
     # -- the batched read loop -----------------------------------------------------------------------------
     def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
              align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None,
-             between=None) -> None:
+             between=None, handover=None) -> None:
         """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i.
 
         Keeps up to `queue_depth` reads in flight. expect[i] (default lengths[i]) is how many bytes the file
@@ -228,6 +228,10 @@ class Ring:
         (benchmarks; stamped per batch with numpy, nothing is done when it is None).
         between (optional callable): called once, right after the first submission, while those reads are in
         flight (the caller's CPU work overlaps the device's); an exception from it drains the ring and propagates.
+        handover (optional (n, callable)): callable(done) is called once, as soon as at least n extents are complete
+        (done: bool [number of extents], the complete ones; their bytes are in place), while the others are still
+        read, so the caller can use the first rows without a second round trip for the rest; its exception, as
+        between's.
         Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
         """
         if not self._lock.acquire(blocking=False):
@@ -249,9 +253,11 @@ class Ring:
                                                                    addrs.view(np.int64), chunk)
                 addrs = dst.view(np.uint64)
                 lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
+                if handover is not None:        # an extent is complete when all its pieces are
+                    handover = (*handover, src, n)
             try:
                 self._read(fd, offsets, lengths, addrs, expect, int(align), path,
-                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between)
+                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between, handover)
             except BaseException:
                 self._drain(path)      # the original exception goes on; a second one met while draining is dropped
                 raise
@@ -336,8 +342,10 @@ class Ring:
         _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n), ctypes.c_uint(ENTER_GETEVENTS),
              None, ctypes.c_size_t(0))
 
-    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None) -> None:
+    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None,
+              handover=None) -> None:
         n = offsets.shape[0]
+        done = 0                       # extents complete (handover)
         if lat is not None:
             first = np.zeros(n, np.int64)      # time of each extent's first submission
         got = np.zeros(n, np.int64)
@@ -374,8 +382,11 @@ class Ring:
                 inflight += k
             if inflight == 0:
                 break
-            # wait for a quarter of the queue once it is full (or nothing is left to submit), else just submit
+            # wait for a quarter of the queue once it is full (or nothing is left to submit), else just submit;
+            # a pending handover wakes up when its extents are in
             wait = min(inflight, max(1, qd // 4)) if inflight >= qd or pos >= todo.shape[0] else 0
+            if handover is not None and wait:
+                wait = max(1, min(wait, handover[0] - done))
             if between is not None:     # submit only: the caller's work runs while these reads are in flight
                 wait = 0
             to_submit = unsubmitted + max(k, 0)
@@ -408,10 +419,19 @@ class Ring:
                 res = np.asarray(self.inject(res.copy(), idx), np.int64)
             if (res <= 0).any() or (res < lengths[idx] - got[idx]).any():
                 self._slow_path(idx, res, got, offsets, lengths, expect, align, path, retry)
+                done += int(np.count_nonzero(got[idx] >= expect[idx]))
             else:
                 got[idx] += res            # one read per extent in flight: indices are unique
+                done += m
             if int(self._cq_overflow[0]):
                 raise ReadError(f"{path}: io_uring completion queue overflowed")
+            if handover is not None and done >= handover[0]:
+                ok = got >= expect
+                if len(handover) > 2:           # pieces of extents (see read)
+                    ok = np.bincount(handover[2], ~ok, minlength=handover[3]) == 0
+                if np.count_nonzero(ok) >= handover[0]:
+                    fn, handover = handover[1], None
+                    fn(ok)
 
     @staticmethod
     def _slow_path(idx, res, got, offsets, lengths, expect, align, path, retry) -> None:

@@ -83,3 +83,31 @@ def test_row_cache_figures_of_odd_tables():
     assert stats_delta({"cache_hits": 2, "cache_misses": 1, "cache_bytes": 9},
                        {"cache_hits": 5, "cache_misses": 2, "cache_bytes": 12, "backend": "direct"}) == \
         {"cache_hits": 3, "cache_misses": 1, "cache_bytes": 12, "backend": "direct", "cache_hit_rate": 0.75}
+
+
+@pytest.mark.parametrize("prime", [True, False])
+def test_a_priming_round_first_then_the_backends_take_turns(tmp_path, capsys, monkeypatch, prime):
+    """Every backend's cold pass once, untimed, before the timed rounds (a virtual disk's host cache in one state
+    for all of them), unless --no-prime; round r starts with backend r; the priming figures are printed and kept."""
+    from gds_gather.benches import gather
+    calls, real = [], gather.backend_passes
+
+    def spy(path, warm_path, b, a, cfg, trace, stream, passes):
+        calls.append((b, tuple(passes)))
+        return real(path, warm_path, b, a, cfg, trace, stream, passes)
+    monkeypatch.setattr(gather, "backend_passes", spy)
+    table = tmp_path / "e4b.gguf"
+    write_model(table, "gemma4-e4b", rows=256)
+    res = benches.gather_main(["--file", str(table), "--tokens", "128", "--ubatch", "64", "--repeat", "3",
+                               "--no-newproc", "--no-restart", "--no-fio", "--no-warm",
+                               "--backends", "direct,mmap,resident", "--out", str(tmp_path)]
+                              + ([] if prime else ["--no-prime"]))
+    out = " ".join(capsys.readouterr().out.split())
+    timed = [("direct", "mmap", "resident"), ("mmap", "resident", "direct"), ("resident", "direct", "mmap")]
+    want = [(b, ("cold",)) for b in ("direct", "mmap")] if prime else []     # (resident: no cold pass)
+    want += [(b, ("cold", "again")) for order in timed for b in order]
+    assert calls == want
+    (t,) = res["tables"]
+    assert res["primed"] is prime and (set(t.get("prime", {})) == ({"direct", "mmap"} if prime else set()))
+    assert ("priming round (untimed, cold" in out) is prime and ("an untimed priming round" in out) is prime
+    assert all(v > 0 for v in t.get("prime", {}).values())

@@ -505,6 +505,56 @@ def test_work_during_io_runs_once_while_reads_are_in_flight(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
+@pytest.mark.parametrize("max_chunk", [None, 1024])
+def test_handover_sees_complete_extents_once_while_the_rest_are_read(tmp_path, monkeypatch, max_chunk):
+    """Ring.read(handover=(n, f)): f runs once, when at least n extents are complete, with the mask of the complete
+    ones (their bytes already in place, the others not all yet), also when extents are cut into pieces and when
+    completions come short (resubmitted); an exception from f drains the ring and propagates."""
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(4).integers(0, 256, 96 << 12, dtype=np.uint8)
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    if max_chunk:
+        monkeypatch.setattr(uring.Ring, "max_chunk", max_chunk)
+    try:
+        with uring.Ring(64) as ring:
+            offs = np.arange(96, dtype=np.int64) * 4096
+            lens = np.full(96, 4096, np.int64)
+            dst = np.zeros(96 * 4096, np.uint8)
+            addrs = np.uint64(dst.ctypes.data) + offs.astype(np.uint64)
+            for short in (False, True):
+                if short:       # every first completion of a piece returns half its bytes: resubmitted
+                    seen_ud = set()
+
+                    def inject(res, ud):
+                        first = np.array([int(u) not in seen_ud for u in ud])
+                        seen_ud.update(int(u) for u in ud)
+                        return np.where(first & (res > 1), res // 2, res)
+                    ring.inject = inject
+                dst[:] = 0
+                calls = []
+
+                def hand(done):
+                    calls.append(done.copy())
+                    for i in np.flatnonzero(done):      # a complete extent's bytes are all there
+                        np.testing.assert_array_equal(dst[i * 4096:(i + 1) * 4096], data[i * 4096:(i + 1) * 4096])
+                ring.read(fd, offs, lens, addrs, queue_depth=16, handover=(72, hand))
+                ring.inject = None
+                np.testing.assert_array_equal(dst, data)
+                assert len(calls) == 1 and calls[0].shape == (96,) and calls[0].dtype == bool
+                assert 72 <= calls[0].sum()
+                assert ring.outstanding() == (0, 0)
+
+            def boom(done):
+                raise RuntimeError("boom")
+            with pytest.raises(RuntimeError, match="boom"):
+                ring.read(fd, offs, lens, addrs, queue_depth=16, handover=(10, boom))
+            assert ring.outstanding() == (0, 0) and not ring.broken
+    finally:
+        os.close(fd)
+
+
 def test_direct_read_runs_during_io_once_on_every_engine(small_table):
     from gds_gather import measure
     cfgs = [gg.Config(engine="threads")] + ([gg.Config(engine="uring")] if uring.probe()[0] else [])

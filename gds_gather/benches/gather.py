@@ -39,6 +39,13 @@ PASS_TITLE = {"cold": "cold: the file evicted from the page cache, the row cache
 TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0.8), "warm": (("mmap",), 0.8),
            "newproc": (("mmap",), 0.8), "restart": (("mmap",), 0.8)}
 
+# A virtual disk caches on its host: on the development VM the first cold read of a trace ran 2-3x slower than later
+# ones for whichever backend read it first, whatever the backend (docs/decisions.md), and direct always came first.
+PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts the device's own caches (a virtual "
+              "disk's host cache) in the same state for every timed round, and the backends take turns going first "
+              "(round r starts with backend r)")
+
+
 def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", action="append", help="a GGUF with a PLE table (repeatable; default: build --tables)")
     p.add_argument("--tables", default="qwen4exp,gemma4-e4b",
@@ -74,6 +81,8 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                                          "GDS_GATHER_QUEUE_DEPTH or 256)")
     p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
+    p.add_argument("--no-prime", action="store_true",
+                   help="no untimed priming round of cold passes before the timed rounds (see PRIME_NOTE)")
     p.add_argument("--prefetch", action="store_true",
                    help="hand direct the next batch's ids before each read (Table.prefetch with Config.prefetch=1, "
                         "as a prefill does); default: every backend reads one batch at a time")
@@ -269,7 +278,7 @@ def empty_row_cache() -> bool:
         from .. import rowcache
     except ImportError:
         return False
-    drop = getattr(rowcache, "drop_all", None)
+    drop = getattr(rowcache, "empty_all", None) or getattr(rowcache, "drop_all", None)   # (older builds: drop)
     if drop is None:
         return False
     drop()
@@ -408,12 +417,15 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         scratch.mkdir(parents=True, exist_ok=True)
         np.savez(trace_file, **{str(k): x for k, x in enumerate(trace)})
     try:
+        if "cold" in passes and not a.no_prime:
+            out["prime"] = prime_round(path, backends, a, cfg, trace, stream)
         for rep in range(a.repeat):
-            for b in backends:
+            order = backends[rep % len(backends):] + backends[:rep % len(backends)]
+            for b in order:
                 for p, r in backend_passes(path, warm_path, b, a, cfg, trace, stream, passes).items():
                     runs.setdefault((b, p), []).append(r)
                 hows[b] = _how_after(path, cfg, b, stream)
-            for b in (x for x in backends if not x.startswith("gpu:") and x != "resident"):
+            for b in (x for x in order if not x.startswith("gpu:") and x != "resident"):
                 for p, r in new_process_passes(path, b, a, cfg, trace_file, hot_dir, newp).items():
                     runs.setdefault((b, p), []).append(r)
             print(f"    round {rep + 1}/{a.repeat} done", flush=True)
@@ -463,6 +475,16 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         out["fio_warm"] = _fio_tmpfs(path, a, _direct_threads(path, cfg))
     _ratios(out, med, geo, a)
     return out
+
+
+def prime_round(path: Path, backends: list[str], a, cfg, trace, stream) -> dict:
+    """One untimed cold pass per backend (resident: none, it loads the whole table), printed: the first read of the
+    trace on this machine. Returns {backend: rows/s}."""
+    got = {b: backend_passes(path, None, b, a, cfg, trace, stream, ["cold"])["cold"]["rows_per_s"]
+           for b in backends if b != "resident"}
+    print(fit("  priming round (untimed, cold; the first read of the trace here): "
+              + ", ".join(f"{b} {v / 1e3:,.1f}k rows/s" for b, v in got.items()), "     "), flush=True)
+    return got
 
 
 def _how_after(path, cfg, b, stream) -> str:
@@ -582,7 +604,8 @@ def run_gather(a, cfg: Config) -> dict:
     facts = bench_facts(tables[0][1], cfg)
     ahead = ("direct is handed the next batch's ids before each read (Table.prefetch, Config.prefetch=1)"
              if cfg.prefetch else "")
-    print_header("gather", facts, [cold_method(a), cache_note] + ([ahead] if ahead else []), quick=a.quick)
+    notes = [cold_method(a), cache_note] + ([] if a.no_prime else [PRIME_NOTE]) + ([ahead] if ahead else [])
+    print_header("gather", facts, notes, quick=a.quick)
     print(fit(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median "
               f"rows/s); MiB requested = what the readers asked for, delivered = the bytes counter above, device = "
               f"the block device's counter (system-wide); ampl = delivered / bytes of the unique rows; majflt = major "
@@ -596,7 +619,7 @@ def run_gather(a, cfg: Config) -> dict:
     result = {"bench": "gather", "facts": facts, "backends": backends, "trace": a.trace, "qd": a.qd,
               "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm,
               "passes": _passes(a) + _new_process_passes(a),
-              "drop_caches": bool(a.drop_caches), "row_cache": cache_note, "tables": []}
+              "drop_caches": bool(a.drop_caches), "row_cache": cache_note, "primed": not a.no_prime, "tables": []}
     for label, path in tables:
         result["tables"].append(_gather_table(path, label, a, cfg, backends, facts_line))
     return write_result("gather", result, a, out_dir(a, cfg), _plot_gather)
