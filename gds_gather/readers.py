@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 PAGE_CACHE_QD = 1024    # buffered reads served from memory: the queue depth is only a batch size
 RUN_CHUNK = 256 << 10   # exact-row reads: runs of adjacent rows are read as one extent, split at this size
-# read(on_rows=...) of at least SPLIT_MIN O_DIRECT windows hands the rows of the windows complete once HANDOVER of
-# them are over (copied out of staging, into the row cache) while the rest are read, in one submission: the copy
-# overlaps the device (docs/decisions.md).
+# read(on_rows=...) of at least SPLIT_MIN O_DIRECT windows hands over the rows of the windows complete once each
+# fraction HANDOVER of them is (copied out of staging, into the row cache) while the rest are read, in one
+# submission: the copies overlap the device (docs/decisions.md).
 SPLIT_MIN = 64
-HANDOVER = 0.75
+HANDOVER = (0.5, 0.85)
 # O_DIRECT staging made at open, so a first read does not pay the fault-in and io_uring registration of fresh memory
 # (docs/decisions.md); larger batches still grow it in place.
 STAGING_INITIAL = 6 << 20
@@ -535,7 +535,7 @@ class _FdReader(Reader):
         row comes from the page cache). on_rows(pos, rows): the rows are handed over in parts instead of
         returned (read returns None): rows = the unique rows at positions pos (int64, ascending), every row in
         exactly one part; with io_uring and at least SPLIT_MIN O_DIRECT windows, the rows of the windows complete
-        when HANDOVER of them are come while the others are read."""
+        at each fraction in HANDOVER come while the others are read."""
         with self._lock:        # the rows are copied out before another thread's fetch can reuse the staging
             self.during_io = during_io
             try:
@@ -575,17 +575,17 @@ class _FdReader(Reader):
         offs, lens = plan.win_offsets, plan.win_lengths
         expect = np.minimum(offs + lens, self.file_size) - offs  # a window past the end of file stops there
         self.last_from_page_cache = None
-        first = np.zeros(plan.n_unique, bool)
+        handed = np.zeros(plan.n_unique, bool)
 
         def hand(done: np.ndarray) -> None:
-            first[:] = done[rw]
-            pos = np.flatnonzero(first)
+            pos = np.flatnonzero(done[rw] & ~handed)
+            handed[pos] = True
             on_rows(pos, rows_at(staging, plan.row_staging[pos], rb))
         self._submit(offs, lens, expect, staging, plan.win_staging,
-                     handover=(max(1, int(plan.n_windows * HANDOVER)), hand))
+                     handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER], hand))
         self.bytes_read += int(expect.sum())
         self.rows_from_device += plan.n_unique
-        rest = np.flatnonzero(~first)
+        rest = np.flatnonzero(~handed)
         if rest.shape[0]:
             on_rows(rest, rows_at(staging, plan.row_staging[rest], rb))
 

@@ -221,8 +221,6 @@ class RowCache:
         if store and C:
             # page-aligned (pinnable: device.pin_staging) and private: a fork()ed child must not write the parent's rows
             self._map = mmap.mmap(-1, C * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):      # slots fill in order: fault 2 MiB at a time where THP allows
-                self._map.madvise(mmap.MADV_HUGEPAGE)
             self.data = np.frombuffer(self._map, np.uint8).reshape(C, self.row_bytes)
         self.lock = threading.Lock()
         self._dirty = False     # an admission or an emptying was interrupted: empty before the next use

@@ -228,10 +228,10 @@ class Ring:
         (benchmarks; stamped per batch with numpy, nothing is done when it is None).
         between (optional callable): called once, right after the first submission, while those reads are in
         flight (the caller's CPU work overlaps the device's); an exception from it drains the ring and propagates.
-        handover (optional (n, callable)): callable(done) is called once, as soon as at least n extents are complete
-        (done: bool [number of extents], the complete ones; their bytes are in place), while the others are still
-        read, so the caller can use the first rows without a second round trip for the rest; its exception, as
-        between's.
+        handover (optional (counts, callable)): callable(done) is called as soon as at least counts[0] extents are
+        complete, again at counts[1], and so on (done: bool [number of extents], the complete ones, their bytes in
+        place; thresholds passed together give one call), while the others are still read: the caller uses the
+        first rows without a second round trip for the rest; its exception, as between's.
         Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
         """
         if not self._lock.acquire(blocking=False):
@@ -253,8 +253,8 @@ class Ring:
                                                                    addrs.view(np.int64), chunk)
                 addrs = dst.view(np.uint64)
                 lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
-                if handover is not None:        # an extent is complete when all its pieces are
-                    handover = (*handover, src, n)
+            if handover is not None:            # (thresholds left, callable, pieces' extents or None, extents)
+                handover = (sorted(handover[0]), handover[1], src, n) if len(handover[0]) else None
             try:
                 self._read(fd, offsets, lengths, addrs, expect, int(align), path,
                            min(queue_depth or self.sq_entries, self.sq_entries), lat, between, handover)
@@ -386,7 +386,7 @@ class Ring:
             # a pending handover wakes up when its extents are in
             wait = min(inflight, max(1, qd // 4)) if inflight >= qd or pos >= todo.shape[0] else 0
             if handover is not None and wait:
-                wait = max(1, min(wait, handover[0] - done))
+                wait = max(1, min(wait, handover[0][0] - done))
             if between is not None:     # submit only: the caller's work runs while these reads are in flight
                 wait = 0
             to_submit = unsubmitted + max(k, 0)
@@ -425,12 +425,17 @@ class Ring:
                 done += m
             if int(self._cq_overflow[0]):
                 raise ReadError(f"{path}: io_uring completion queue overflowed")
-            if handover is not None and done >= handover[0]:
+            if handover is not None and done >= handover[0][0]:
+                marks, fn, src, n_ext = handover
                 ok = got >= expect
-                if len(handover) > 2:           # pieces of extents (see read)
-                    ok = np.bincount(handover[2], ~ok, minlength=handover[3]) == 0
-                if np.count_nonzero(ok) >= handover[0]:
-                    fn, handover = handover[1], None
+                if src is not None:             # an extent cut into pieces is complete when all its pieces are
+                    ok = np.bincount(src, ~ok, minlength=n_ext) == 0
+                k = np.count_nonzero(ok)
+                if k >= marks[0]:
+                    while marks and marks[0] <= k:
+                        marks.pop(0)
+                    if not marks:
+                        handover = None
                     fn(ok)
 
     @staticmethod

@@ -148,8 +148,8 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
 
 
 def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypatch, wide):
-    """read(on_rows=...) of at least SPLIT_MIN windows: one submission; the rows of the windows complete once
-    HANDOVER of them are come while the read is in flight, the rest after, every row once and right; through the row
+    """read(on_rows=...) of at least SPLIT_MIN windows: one submission; the rows of the windows complete at each
+    fraction in HANDOVER come while the read is in flight, the rest after, every row once and right; through the row
     cache, the result and the cache hold the file's rows whatever the caller does to the arrays it got."""
     path, raw = wide
     if not uring.probe()[0]:
@@ -174,8 +174,10 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
         submits.clear()
         assert r.read(p, on_rows=lambda pos, rows: parts.append((pos, rows.copy(), in_read[0]))) is None
         assert submits == [40]                                  # one submission
-        assert parts[0][2] and parts[0][0].shape[0] >= 30       # 3/4 of the windows, handed over in flight
-        assert all(not during for _, _, during in parts[1:]) and len(parts) <= 2
+        assert parts[0][2] and parts[0][0].shape[0] >= 20       # half the windows, handed over in flight
+        assert 1 <= len(parts) <= 3 and all(during for _, _, during in parts[:-1])
+        if len(parts) == 3 or not parts[-1][2]:                 # (the rest after the read, where any was left)
+            assert not parts[-1][2]
         pos = np.concatenate([x for x, _, _ in parts])
         np.testing.assert_array_equal(np.sort(pos), np.arange(40))      # every row exactly once
         for x, rows, _ in parts:
