@@ -61,6 +61,9 @@ def _mincore_trusted(path) -> bool:
 
 
 PREAD_MIN_ROW = 1024    # page-cache rows at least this wide are pread, narrower ones copied from the mapping
+# ... by up to PREAD_THREADS native threads, one per PREAD_PER_THREAD runs of rows (a new process's first copy of
+# page-cache pages costs ~5 us a row, which threads share: docs/decisions.md)
+PREAD_THREADS, PREAD_PER_THREAD = 4, 64
 
 
 class Residency:
@@ -249,7 +252,8 @@ class Residency:
         from . import native
         from .planner import row_runs
         offs, lens, dst = row_runs(rows, row_bytes, self.data_offset)
-        idx, code = native.pread_pool(self._lib, self._rfd, offs, lens, lens, out, dst, threads=1)
+        threads = max(1, min(PREAD_THREADS, os.cpu_count() or 1, offs.shape[0] // PREAD_PER_THREAD))
+        idx, code = native.pread_pool(self._lib, self._rfd, offs, lens, lens, out, dst, threads=threads)
         if idx >= 0:
             raise ReadError(f"{self.path}: reading page-cache rows at offset {int(offs[idx])} failed: "
                             f"{os.strerror(code) if code > 0 else 'unexpected end of file'}")
