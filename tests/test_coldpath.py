@@ -310,3 +310,26 @@ def test_an_interrupted_emptying_leaves_no_wrong_hit(wide, monkeypatch):
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
         np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
+
+
+def test_a_file_changed_before_a_hand_over_read_is_refused_before_any_row(monkeypatch, wide):
+    """The hand-over read checks the file while its reads are in flight: a changed file raises before any row is
+    handed over, and the ring is left clean (no read in flight)."""
+    import os
+    path, raw = wide
+    if not uring.probe()[0]:
+        pytest.skip("io_uring not usable here")
+    monkeypatch.setattr(readers, "SPLIT_MIN", 8)
+    with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
+        r = t._reader("direct")
+        if r.ring is None or not r.odirect:
+            pytest.skip(f"direct runs without io_uring or O_DIRECT here ({r.how})")
+        p = t.plan(np.arange(0, N_ROWS, 3))
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        parts = []
+        with pytest.raises(gg.ReadError, match="modified"):
+            r.read(p, on_rows=lambda pos, rows: parts.append(pos))
+        assert parts == [] and r.ring.outstanding() == (0, 0) and not r.ring.broken
+        with pytest.raises(gg.ReadError, match="modified"):
+            t.read_rows(np.arange(0, N_ROWS, 3), "direct")
