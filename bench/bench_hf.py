@@ -33,17 +33,8 @@ def make_model(path, kind: str = "gemma4", vocab: int = 262144, n_layer: int = 4
     the meta device and filled in place (a 512 MiB table in a few seconds, not a full random init)."""
     import numpy as np
     import torch
-    import transformers
-    common = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  hidden_size_per_layer_input=per_layer, sliding_window=16,
-                  layer_types=["sliding_attention", "full_attention"] * (n_layer // 2))
-    if kind == "gemma4":
-        cls, cfg = transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**common)
-    else:
-        cls, cfg = transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
-            laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * n_layer,
-            **common)
+    from gds_gather.benches.tiny import text_model
+    cls, cfg = text_model(kind, vocab=vocab, n_layer=n_layer, per_layer=per_layer)
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device="cpu")

@@ -462,7 +462,7 @@ def checkpoint_path(name_or_path, cache_dir=None, revision=None, subfolder: str 
 
 
 def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_class=None,
-                    allow_quantized: bool = False, verify_rows: int = 64, config: Config | None = None,
+                    allow_quantized: bool = False, verify_rows: int = 64, gg_config: Config | None = None,
                     **kwargs):
     """A transformers model loaded without its per-layer embedding table, which is gathered from disk instead.
 
@@ -477,11 +477,16 @@ def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_cl
         Gemma4ForConditionalGeneration for the multimodal model).
     allow_quantized: accept a quantized or narrower table (its rows are still checked against the checkpoint's
         within the type's own error bound: another model's table is refused).
-    kwargs: passed to transformers' from_pretrained (dtype, device_map, attn_implementation, cache_dir, ...).
+    gg_config: gds_gather's Config for the table (default Config.from_env()).
+    kwargs: passed to transformers' from_pretrained (config, dtype, device_map, attn_implementation, cache_dir, ...).
 
     Returns the model; ``model.gds_gather`` is its OffloadHandle (stats, close). The table closes with the model;
     after handle.close() the model's forward raises TableClosedError.
     """
+    if isinstance(kwargs.get("config"), Config):
+        raise TypeError("from_pretrained(config=...) is transformers' model config; pass gds_gather's Config as "
+                        "gg_config=")
+    config = gg_config
     cls = _model_class(model_class, name_or_path, kwargs)
     kwargs.setdefault("dtype", "auto")
     model = _without_table(cls).from_pretrained(name_or_path, **kwargs)

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
 from gds_gather import BadIdsError, GatherError, TableClosedError, open_table  # noqa: E402
+from gds_gather.benches.tiny import add_noise, text_model  # noqa: E402
 from gds_gather.cli import main  # noqa: E402
 from gds_gather.convert import convert  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
@@ -36,29 +37,14 @@ PLE_NAME = "model.embed_tokens_per_layer.weight"
 
 
 def _config(kind: str, **kw):
-    common = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=N_LAYER, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  hidden_size_per_layer_input=PER_LAYER, sliding_window=16,
-                  layer_types=["sliding_attention", "full_attention"] * (N_LAYER // 2))
-    common.update(kw)
-    if kind == "gemma4":
-        return transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**common)
-    return transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
-        laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * N_LAYER,
-        **common)
+    return text_model(kind, vocab=VOCAB, n_layer=N_LAYER, per_layer=PER_LAYER, **kw)
 
 
 def build(path, kind: str, dtype=torch.float32, seed: int = 0, max_shard_size=None, **kw):
-    """A tiny random model saved to `path`. Every parameter gets noise: Gemma 3n initializes its altup output
-    scale to 0, which would cut the per-layer inputs off from the logits (and make these tests unable to fail)."""
+    """A tiny random model saved to `path`, every parameter with noise (benches.tiny.add_noise)."""
     cls, cfg = _config(kind, **kw)
     torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    model = model.to(dtype)
+    model = add_noise(cls(cfg).eval(), seed + 1).to(dtype)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
 

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from gds_gather import hf  # noqa: E402
-from gds_gather.benches.vllm_ab import tiny  # noqa: E402
+from gds_gather.benches.tiny import tiny  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
 
 
@@ -225,3 +225,21 @@ def test_a_model_built_on_the_meta_device_gets_its_rows_from_disk(ckpt):
         assert h.bytes_freed == 0 and h.verified_rows == 0        # no weight to free, none to compare with
         ids = torch.tensor([[1, 510, 1]])
         assert torch.equal(model.get_per_layer_input_embeddings().rows(ids), ref[ids])
+
+
+def test_config_is_transformers_and_gg_config_is_gds_gathers(ckpt):
+    """Every keyword goes to transformers, config= too (a model config the caller changed); gds_gather's own Config
+    is gg_config=; gds_gather's Config given as config= is refused, naming gg_config."""
+    from gds_gather.config import Config
+    cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    cfg.use_cache = False                   # a change transformers keeps on the model, not in the weights
+    model = hf.from_pretrained(ckpt, config=cfg, gg_config=Config(cache_bytes=0), dtype=torch.float32)
+    try:
+        assert model.config.use_cache is False
+        assert model.gds_gather.table.config.cache_bytes == 0
+    finally:
+        model.gds_gather.close()
+    _same_class_and_rows(_load(ckpt), hf.from_pretrained(ckpt, config=cfg, dtype=torch.float32),
+                         torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TypeError, match="gg_config="):
+        hf.from_pretrained(ckpt, config=Config(cache_bytes=0))

@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from gds_gather import TableLayoutError, open_table
+from gds_gather.benches.tiny import add_noise, text_model
 from gds_gather.convert import convert
 from gds_gather.prefill import run_prefill
 
@@ -33,22 +34,9 @@ def run_cli(*args):
 
 def _save(path: Path, kind: str, dtype, **save_kw) -> Path:
     """A tiny random Gemma 4 / Gemma 3n text model; every parameter gets noise so the rows are distinct."""
-    common = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=N_LAYER, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                  hidden_size_per_layer_input=PER_LAYER, sliding_window=16,
-                  layer_types=["sliding_attention", "full_attention"] * (N_LAYER // 2))
-    if kind == "gemma4":
-        cls, cfg = transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**common)
-    else:
-        cls, cfg = transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
-            laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2,
-            activation_sparsity_pattern=[0.0] * N_LAYER, **common)
+    cls, cfg = text_model(kind, vocab=VOCAB, n_layer=N_LAYER, per_layer=PER_LAYER, hidden=32, head_dim=16)
     torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
-    model.to(dtype).save_pretrained(path, **save_kw)
+    add_noise(cls(cfg)).to(dtype).save_pretrained(path, **save_kw)
     return path
 
 

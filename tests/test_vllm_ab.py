@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gds_gather.benches import vllm_ab
+from gds_gather.benches.tiny import tiny
 
 
 def test_prompts_are_seeded_and_in_range():
@@ -125,8 +126,8 @@ def test_tiny_checkpoints(tmp_path, capsys):
     safetensors = pytest.importorskip("safetensors.numpy")
     assert vllm_ab.main(["tiny", "gemma4", str(tmp_path / "a"), "--vocab", "512"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "a")
-    vllm_ab.tiny("gemma4", tmp_path / "b", vocab=512)
-    vllm_ab.tiny("gemma4", tmp_path / "c", vocab=512, seed=1)
+    tiny("gemma4", tmp_path / "b", vocab=512)
+    tiny("gemma4", tmp_path / "c", vocab=512, seed=1)
     w = {k: safetensors.load_file(tmp_path / k / "model.safetensors") for k in "abc"}
     ple = w["a"]["model.embed_tokens_per_layer.weight"]
     assert ple.shape == (512, 4 * 128) and ple.dtype == np.float32
@@ -138,12 +139,12 @@ def test_tiny_checkpoints(tmp_path, capsys):
 
 def test_tiny_multimodal_and_bad_kinds(tmp_path):
     pytest.importorskip("transformers")
-    vllm_ab.tiny("gemma4", tmp_path / "mm", vocab=256, n_layer=2, per_layer=16, multimodal=True)
+    tiny("gemma4", tmp_path / "mm", vocab=256, n_layer=2, per_layer=16, multimodal=True)
     cfg = json.loads((tmp_path / "mm" / "config.json").read_text())
     assert cfg["architectures"] == ["Gemma4ForConditionalGeneration"] and cfg["vision_config"]["hidden_size"] == 32
     assert cfg["text_config"]["hidden_size_per_layer_input"] == 16
     with pytest.raises(ValueError, match="multimodal: gemma4 only"):
-        vllm_ab.tiny("gemma3n", tmp_path / "x", vocab=256, n_layer=2, multimodal=True)
+        tiny("gemma3n", tmp_path / "x", vocab=256, n_layer=2, multimodal=True)
     with pytest.raises(ValueError, match="kind is gemma4 or gemma3n, got 'llama'"):
-        vllm_ab.tiny("llama", tmp_path / "y")
+        tiny("llama", tmp_path / "y")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

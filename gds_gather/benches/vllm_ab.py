@@ -22,42 +22,7 @@ import subprocess
 import sys
 import time
 
-
-def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int = 128, seed: int = 0,
-         multimodal: bool = False) -> str:
-    """A tiny random Gemma 4 / Gemma 3n checkpoint saved to `path` (float32) whose PLE table, [vocab, n_layer x
-    per_layer], is most of its bytes. Every parameter gets noise so the per-layer inputs reach the logits."""
-    import torch
-    import transformers
-    common = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  hidden_size_per_layer_input=per_layer, sliding_window=16,
-                  layer_types=["sliding_attention", "full_attention"] * (n_layer // 2))
-    if kind == "gemma4":
-        text = transformers.Gemma4TextConfig(**common)
-        cls = transformers.Gemma4ForCausalLM
-    elif kind == "gemma3n":
-        text = transformers.Gemma3nTextConfig(laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2,
-                                              activation_sparsity_pattern=[0.0] * n_layer, **common)
-        cls = transformers.Gemma3nForCausalLM
-    else:
-        raise ValueError(f"kind is gemma4 or gemma3n, got {kind!r}")
-    torch.manual_seed(seed)
-    if multimodal:
-        if kind != "gemma4":
-            raise ValueError("multimodal: gemma4 only")
-        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-        model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
-            text_config=text.to_dict(), vision_config=vision, audio_config=None))
-    else:
-        model = cls(text)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.eval().save_pretrained(path)
-    return str(path)
+from .tiny import tiny
 
 
 def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -1,0 +1,55 @@
+"""Tiny random Gemma 4 / Gemma 3n transformers models whose per-layer embedding table is most of their bytes: the
+checkpoints the transformers and vLLM tests and benches load (no download). One place for their shape."""
+from __future__ import annotations
+
+
+def text_model(kind: str, *, vocab: int, n_layer: int, per_layer: int, hidden: int = 64, head_dim: int = 32,
+               **overrides):
+    """(the causal-LM class, its text config) of a tiny `kind` model (gemma4 or gemma3n): two attention heads, one
+    KV head, sliding and full attention layers in turn; a [vocab, n_layer x per_layer] per-layer table. overrides:
+    config fields to set (e.g. tie_word_embeddings)."""
+    import transformers
+    common = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=hidden,
+                  intermediate_size=2 * hidden, num_hidden_layers=n_layer, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=head_dim, hidden_size_per_layer_input=per_layer, sliding_window=16,
+                  layer_types=["sliding_attention", "full_attention"] * (n_layer // 2))
+    common.update(overrides)
+    if kind == "gemma4":
+        return transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**common)
+    if kind == "gemma3n":
+        return transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
+            laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * n_layer,
+            **common)
+    raise ValueError(f"kind is gemma4 or gemma3n, got {kind!r}")
+
+
+def add_noise(model, seed: int = 0, scale: float = 0.05):
+    """Noise on every parameter (in place; returns the model): Gemma 3n initializes its altup output scale to 0,
+    which would cut the per-layer inputs off from the logits, and tests comparing them could not fail."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int = 128, seed: int = 0,
+         multimodal: bool = False) -> str:
+    """A tiny random `kind` checkpoint saved to `path` (float32); multimodal: Gemma 4 with a one-layer vision
+    tower (Gemma4ForConditionalGeneration)."""
+    import torch
+    import transformers
+    cls, text = text_model(kind, vocab=vocab, n_layer=n_layer, per_layer=per_layer)
+    torch.manual_seed(seed)
+    if multimodal:
+        if kind != "gemma4":
+            raise ValueError("multimodal: gemma4 only")
+        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+            text_config=text.to_dict(), vision_config=vision, audio_config=None))
+    else:
+        model = cls(text)
+    add_noise(model, seed + 1).eval().save_pretrained(path)
+    return str(path)
