@@ -470,95 +470,94 @@ def test_staging_grows_in_place_keeping_its_pages():
     st.close()
 
 
+@pytest.fixture
+def pages(tmp_path):
+    """pages(n, seed): a file of n random 4 KiB pages, opened: (fd, its bytes, offsets, lengths, a zeroed
+    buffer, the buffer's page addresses); the fd is closed after the test."""
+    fds = []
+
+    def make(n: int, seed: int):
+        path = tmp_path / f"pages-{n}-{seed}.bin"
+        data = np.random.default_rng(seed).integers(0, 256, n << 12, dtype=np.uint8)
+        data.tofile(path)
+        fds.append(os.open(path, os.O_RDONLY))
+        offs = np.arange(n, dtype=np.int64) * 4096
+        dst = np.zeros(n * 4096, np.uint8)
+        return fds[-1], data, offs, np.full(n, 4096, np.int64), dst, np.uint64(dst.ctypes.data) + offs.astype(np.uint64)
+    yield make
+    for fd in fds:
+        os.close(fd)
+
+
 @pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
-def test_work_during_io_runs_once_while_reads_are_in_flight(tmp_path):
+def test_work_during_io_runs_once_while_reads_are_in_flight(pages):
     """Ring.read(between=f): f runs once, after the first submission and before the last completion is reaped;
     the rows are exact; an exception from f drains the ring, propagates, and the next read works."""
-    path = tmp_path / "f.bin"
-    data = np.random.default_rng(3).integers(0, 256, 64 << 12, dtype=np.uint8)
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with uring.Ring(64) as ring:
-            offs = np.arange(64, dtype=np.int64) * 4096
-            lens = np.full(64, 4096, np.int64)
-            dst = np.zeros(64 * 4096, np.uint8)
-            addrs = np.uint64(dst.ctypes.data) + offs.astype(np.uint64)
-            seen = []
+    fd, data, offs, lens, dst, addrs = pages(64, 3)
+    with uring.Ring(64) as ring:
+        seen = []
 
-            def during():
-                seen.append(ring.outstanding())
-            ring.read(fd, offs, lens, addrs, queue_depth=16, between=during)
-            np.testing.assert_array_equal(dst, data)
-            assert len(seen) == 1 and seen[0][0] == 0 and seen[0][1] > 0   # all taken by the kernel, some in flight
-            assert ring.outstanding() == (0, 0)
+        def during():
+            seen.append(ring.outstanding())
+        ring.read(fd, offs, lens, addrs, queue_depth=16, between=during)
+        np.testing.assert_array_equal(dst, data)
+        assert len(seen) == 1 and seen[0][0] == 0 and seen[0][1] > 0   # all taken by the kernel, some in flight
+        assert ring.outstanding() == (0, 0)
 
-            def boom():
-                raise RuntimeError("boom")
-            with pytest.raises(RuntimeError, match="boom"):
-                ring.read(fd, offs, lens, addrs, queue_depth=16, between=boom)
-            assert ring.outstanding() == (0, 0) and not ring.broken
-            dst[:] = 0
-            ring.read(fd, offs, lens, addrs, queue_depth=16)
-            np.testing.assert_array_equal(dst, data)
-    finally:
-        os.close(fd)
+        def boom():
+            raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"):
+            ring.read(fd, offs, lens, addrs, queue_depth=16, between=boom)
+        assert ring.outstanding() == (0, 0) and not ring.broken
+        dst[:] = 0
+        ring.read(fd, offs, lens, addrs, queue_depth=16)
+        np.testing.assert_array_equal(dst, data)
 
 
 @pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
 @pytest.mark.parametrize("max_chunk", [None, 1024])
-def test_handover_sees_complete_extents_once_while_the_rest_are_read(tmp_path, monkeypatch, max_chunk):
+def test_handover_sees_complete_extents_once_while_the_rest_are_read(pages, monkeypatch, max_chunk):
     """Ring.read(handover=([n1, n2], f)): f runs once when at least n1 extents are complete and once more at n2,
     with the mask of the complete ones (their bytes already in place; the second mask covers the first), also when
     extents are cut into pieces and when completions come short (resubmitted); thresholds passed together give one
     call; an exception from f drains the ring and propagates."""
-    path = tmp_path / "f.bin"
-    data = np.random.default_rng(4).integers(0, 256, 96 << 12, dtype=np.uint8)
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd, data, offs, lens, dst, addrs = pages(96, 4)
     if max_chunk:
         monkeypatch.setattr(uring.Ring, "max_chunk", max_chunk)
-    try:
-        with uring.Ring(64) as ring:
-            offs = np.arange(96, dtype=np.int64) * 4096
-            lens = np.full(96, 4096, np.int64)
-            dst = np.zeros(96 * 4096, np.uint8)
-            addrs = np.uint64(dst.ctypes.data) + offs.astype(np.uint64)
-            for short in (False, True):
-                if short:       # every first completion of a piece returns half its bytes: resubmitted
-                    seen_ud = set()
+    with uring.Ring(64) as ring:
+        for short in (False, True):
+            if short:       # every first completion of a piece returns half its bytes: resubmitted
+                seen_ud = set()
 
-                    def inject(res, ud):
-                        first = np.array([int(u) not in seen_ud for u in ud])
-                        seen_ud.update(int(u) for u in ud)
-                        return np.where(first & (res > 1), res // 2, res)
-                    ring.inject = inject
-                dst[:] = 0
-                calls = []
-
-                def hand(done):
-                    calls.append(done.copy())
-                    for i in np.flatnonzero(done):      # a complete extent's bytes are all there
-                        np.testing.assert_array_equal(dst[i * 4096:(i + 1) * 4096], data[i * 4096:(i + 1) * 4096])
-                ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([72, 30], hand))
-                ring.inject = None
-                np.testing.assert_array_equal(dst, data)
-                assert 1 <= len(calls) <= 2 and all(c.shape == (96,) and c.dtype == bool for c in calls)
-                assert calls[0].sum() >= (30 if len(calls) == 2 else 72) and calls[-1].sum() >= 72
-                assert (calls[-1] >= calls[0]).all()
-                assert ring.outstanding() == (0, 0)
+                def inject(res, ud):
+                    first = np.array([int(u) not in seen_ud for u in ud])
+                    seen_ud.update(int(u) for u in ud)
+                    return np.where(first & (res > 1), res // 2, res)
+                ring.inject = inject
+            dst[:] = 0
             calls = []
-            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([], hand))
-            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([96, 95], hand))
-            assert len(calls) == 1 and calls[0].all()           # (no thresholds: no call; two at the end: one)
 
-            def boom(done):
-                raise RuntimeError("boom")
-            with pytest.raises(RuntimeError, match="boom"):
-                ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([10], boom))
-            assert ring.outstanding() == (0, 0) and not ring.broken
-    finally:
-        os.close(fd)
+            def hand(done):
+                calls.append(done.copy())
+                for i in np.flatnonzero(done):      # a complete extent's bytes are all there
+                    np.testing.assert_array_equal(dst[i * 4096:(i + 1) * 4096], data[i * 4096:(i + 1) * 4096])
+            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([72, 30], hand))
+            ring.inject = None
+            np.testing.assert_array_equal(dst, data)
+            assert 1 <= len(calls) <= 2 and all(c.shape == (96,) and c.dtype == bool for c in calls)
+            assert calls[0].sum() >= (30 if len(calls) == 2 else 72) and calls[-1].sum() >= 72
+            assert (calls[-1] >= calls[0]).all()
+            assert ring.outstanding() == (0, 0)
+        calls = []
+        ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([], hand))
+        ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([96, 95], hand))
+        assert len(calls) == 1 and calls[0].all()           # (no thresholds: no call; two at the end: one)
+
+        def boom(done):
+            raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"):
+            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([10], boom))
+        assert ring.outstanding() == (0, 0) and not ring.broken
 
 
 def test_direct_read_runs_during_io_once_on_every_engine(small_table):
