@@ -568,8 +568,8 @@ class _FdReader(Reader):
         return None
 
     def _read_handing_over(self, plan: ReadPlan, on_rows) -> None:
-        """O_DIRECT windows in one submission; once HANDOVER of them are complete, their rows are copied out and
-        handed to on_rows while the others are read, then the rest (see SPLIT_MIN)."""
+        """O_DIRECT windows in one submission; at each fraction HANDOVER of them complete, their rows are copied
+        out and handed to on_rows while the others are read, then the rest (see SPLIT_MIN)."""
         rb, rw = plan.row_bytes, plan.row_window
         staging = self.staging.ensure(plan.window_bytes)
         offs, lens = plan.win_offsets, plan.win_lengths
