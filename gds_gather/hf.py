@@ -486,7 +486,6 @@ def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_cl
     if isinstance(kwargs.get("config"), Config):
         raise TypeError("from_pretrained(config=...) is transformers' model config; pass gds_gather's Config as "
                         "gg_config=")
-    config = gg_config
     cls = _model_class(model_class, name_or_path, kwargs)
     kwargs.setdefault("dtype", "auto")
     model = _without_table(cls).from_pretrained(name_or_path, **kwargs)
@@ -498,7 +497,7 @@ def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_cl
         raise ModelMismatchError(f"{name_or_path}: no safetensors checkpoint found to read the table from: pass table=")
     weight_dtype = model.get_input_embeddings().weight.dtype     # what transformers gave the other weights
     device = model.get_input_embeddings().weight.device
-    t = source if isinstance(source, Table) else open_table(source, config=config)
+    t = source if isinstance(source, Table) else open_table(source, config=gg_config)
     try:
         _check_fit(t, stand_in, cfg, weight_dtype, allow_quantized)
         same = ckpt is not None and Path(t.path).resolve() == _table_file(ckpt).resolve()
@@ -508,7 +507,7 @@ def from_pretrained(name_or_path, *, table=None, backend: str = "auto", model_cl
                 log.warning("%s: table not checked against the checkpoint (%s)", t.path,
                             "no checkpoint" if ckpt is None else "verify_rows=0")
         else:
-            with open_table(ckpt, config=config) as own:
+            with open_table(ckpt, config=gg_config) as own:
                 verified, max_err, rms = _verify(t, lambda ids: torch.from_numpy(own.gather(ids)),
                                                  stand_in.num_embeddings, weight_dtype, verify_rows)
         scale = torch.tensor(stand_in.scalar_embed_scale, device=device)
