@@ -5,7 +5,12 @@
  *   retry, the first error stops every thread and is reported with the extent's index.
  * gg_madvise_ranges: one madvise(2) per range of a mapping (batched readahead hints).
  * gg_publish_i32: a release store of a flag that the GPU polls, ordered after every earlier store.
+ * gg_copy_rows: rows at byte offsets of one buffer copied to byte offsets of another, with no temporary (numpy's
+ *   gather then scatter allocates one, and fresh memory's first touch costs more than the copy).
+ * gg_hash_get, gg_hash_insert: rowcache.HashIndex's look-up and insertion (the same table, hash and probe order
+ *   as its numpy code), one key at a time: a batch's probe rounds cost a dozen numpy calls each there.
  */
+#include <string.h>
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -125,4 +130,43 @@ void gg_publish_i32(int32_t *flag, int32_t value) {
     __asm__ __volatile__("dmb sy" ::: "memory");
 #endif
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+}
+
+/* dst + dst_off[i] <- src + src_off[i], row_bytes each, for every i (bounds checked by the caller, native.py). */
+void gg_copy_rows(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const int64_t *dst_off, int64_t n,
+                  int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + dst_off[i], src + src_off[i], (size_t)row_bytes);
+}
+
+/* rowcache.HashIndex: keys int64 (-1 empty, -2 deleted), vals int32, 2^bits entries, home = (key * GOLD) >> shift,
+   linear probing. */
+#define GG_GOLD 0x9E3779B97F4A7C15ULL
+
+void gg_hash_get(const int64_t *keys, const int32_t *vals, int64_t mask, int shift, const int64_t *q, int64_t n,
+                 int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t p = ((uint64_t)q[i] * GG_GOLD) >> shift;
+        for (;;) {
+            int64_t k = keys[p];
+            if (k == q[i]) { out[i] = vals[p]; break; }
+            if (k == -1) { out[i] = -1; break; }
+            p = (p + 1) & (uint64_t)mask;
+        }
+    }
+}
+
+/* Insert distinct absent keys at the first empty or deleted entry of their probe; returns the deleted entries
+   reused. */
+int64_t gg_hash_insert(int64_t *keys, int32_t *vals, int64_t mask, int shift, const int64_t *k, const int64_t *v,
+                       int64_t n) {
+    int64_t reused = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t p = ((uint64_t)k[i] * GG_GOLD) >> shift;
+        while (keys[p] >= 0) p = (p + 1) & (uint64_t)mask;
+        reused += keys[p] == -2;
+        keys[p] = k[i];
+        vals[p] = (int32_t)v[i];
+    }
+    return reused;
 }

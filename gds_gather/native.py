@@ -26,7 +26,6 @@ _I64P = ctypes.POINTER(ctypes.c_int64)
 def _ptr(a: np.ndarray):
     return a.ctypes.data_as(_I64P)
 
-
 @functools.cache
 def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     src = resources.files("gds_gather").joinpath("native.c").read_bytes()
@@ -55,6 +54,15 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int]
     lib.gg_publish_i32.restype = None
     lib.gg_publish_i32.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.gg_copy_rows.restype = None
+    # (the hot paths' arrays go as addresses: ndarray.ctypes.data_as costs several microseconds a call)
+    lib.gg_copy_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    lib.gg_hash_get.restype = None
+    lib.gg_hash_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_void_p]
+    lib.gg_hash_insert.restype = ctypes.c_int64
+    lib.gg_hash_insert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_int64]
     lib.gg_mincore_rows.restype = None
     lib.gg_mincore_rows.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib, f"native helpers {so.name}"
@@ -105,3 +113,64 @@ def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int, map_pages:
     out = np.zeros(f.shape[0], np.uint8)
     lib.gg_mincore_rows(base_addr, _ptr(f), _ptr(c), f.shape[0], page, out.ctypes.data)
     return out.view(bool)
+
+
+def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None) -> None:
+    """dst[dst_rows[i]] = the row_bytes (dst.shape[1]) bytes at byte src_offsets[i] of src, for every i; dst_rows
+    None: rows 0, 1, ... of dst. src: contiguous uint8; dst: C-contiguous uint8 [m, row_bytes].
+
+    Native (lib): one memcpy per row and no temporary; without it numpy's gather then scatter, whose temporary is
+    fresh memory (its first touch costs several times the copy: docs/decisions.md)."""
+    so = np.ascontiguousarray(src_offsets, np.int64)
+    n, rb = so.shape[0], dst.shape[1]
+    do = np.arange(n, dtype=np.int64) if dst_rows is None else np.ascontiguousarray(dst_rows, np.int64)
+    if not n:
+        return
+    if src.dtype != np.uint8 or dst.dtype != np.uint8 or not src.flags.c_contiguous or not dst.flags.c_contiguous \
+            or do.shape[0] != n:
+        raise ValueError("copy_rows: contiguous uint8 buffers and one destination row per source offset")
+    if int(so.min()) < 0 or int(so.max()) + rb > src.size or int(do.min()) < 0 or int(do.max()) >= dst.shape[0]:
+        raise IndexError("copy_rows: a row lies outside its buffer")
+    if lib is None:
+        view = np.lib.stride_tricks.sliding_window_view(src.reshape(-1)[:int(so.max()) + rb], rb)
+        dst[do] = view[so]
+        return
+    do = do * rb
+    lib.gg_copy_rows(src.ctypes.data, so.ctypes.data, dst.ctypes.data, do.ctypes.data, n, rb)
+
+
+class RowsAt:
+    """Rows of row_bytes at byte offsets of one buffer: what a read hands over (a reader's staging: its windows, the
+    rows inside them), copied straight to where they go (the result, the row cache) by copy_rows, never gathered
+    into an array of their own first. Valid while the buffer is: a reader's during its on_rows call."""
+
+    __slots__ = ("buf", "offsets", "row_bytes", "lib", "_whole")
+
+    def __init__(self, buf: np.ndarray, offsets: np.ndarray, row_bytes: int, lib=None, whole=None):
+        self.buf, self.offsets, self.row_bytes, self.lib = buf, offsets, int(row_bytes), lib
+        self._whole = whole
+
+    @classmethod
+    def of(cls, rows: np.ndarray, lib=None) -> "RowsAt":
+        """The rows of an array uint8 [k, row_bytes] (array() gives that array back)."""
+        rows = np.ascontiguousarray(rows)
+        return cls(rows.reshape(-1), np.arange(rows.shape[0], dtype=np.int64) * rows.shape[1], rows.shape[1], lib,
+                   rows)
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0]
+
+    def take(self, idx) -> "RowsAt":
+        return RowsAt(self.buf, self.offsets[idx], self.row_bytes, self.lib)
+
+    def copy_to(self, dst: np.ndarray, dst_rows=None) -> None:
+        """dst[dst_rows[i]] = row i (dst_rows None: rows 0, 1, ... of dst)."""
+        copy_rows(self.lib, self.buf, self.offsets, dst, dst_rows)
+
+    def array(self) -> np.ndarray:
+        """The rows as an array of their own, uint8 [k, row_bytes] (the array they were made of, if any)."""
+        if self._whole is not None:
+            return self._whole
+        out = np.empty((len(self), self.row_bytes), np.uint8)
+        self.copy_to(out)
+        return out

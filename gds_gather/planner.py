@@ -248,6 +248,29 @@ def replan(plan: ReadPlan, config, rows: np.ndarray | None = None, align: int | 
                        shape=plan.shape if whole else None)
 
 
+def subplan(plan: ReadPlan, keep: np.ndarray) -> ReadPlan | None:
+    """The plan of the rows `keep` (bool [U]) picks, made of the plan's own windows: those holding a picked row;
+    None where a window holds both picked rows and others (replan would read less there). A batch's row-cache
+    misses are usually whole windows of its plan (wide rows: one row a window), and this costs a quarter of
+    replanning them."""
+    rw = plan.row_window
+    heads = np.flatnonzero(np.r_[True, rw[1:] != rw[:-1]])       # first row of each window
+    some = np.logical_or.reduceat(keep, heads)
+    if not np.array_equal(some, np.logical_and.reduceat(keep, heads)):
+        return None
+    rows = np.flatnonzero(keep)
+    offs, lens, old = plan.win_offsets[some], plan.win_lengths[some], plan.win_staging[some]
+    staging = np.zeros_like(lens)
+    if lens.shape[0]:
+        np.cumsum(lens[:-1], out=staging[1:])
+    new_w = (np.cumsum(some) - 1)[rw[rows]]
+    return ReadPlan(shape=(rows.shape[0],), row_bytes=plan.row_bytes, data_offset=plan.data_offset,
+                    align=plan.align, unique_rows=plan.unique_rows[rows],
+                    inverse=np.arange(rows.shape[0], dtype=np.int64), win_offsets=offs, win_lengths=lens,
+                    win_staging=staging, row_window=new_w,
+                    row_staging=staging[new_w] + (plan.row_staging[rows] - old[new_w]))
+
+
 def realign(plan: ReadPlan, align: int, config) -> ReadPlan:
     """The plan itself where its windows are already multiples of `align`, else the same rows (same inverse and
     shape) planned at `align` with the Config's window settings."""

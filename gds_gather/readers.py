@@ -93,7 +93,7 @@ class RowReader(Protocol):
     odirect: bool           # fetch leaves rows inside aligned windows (plan.row_staging), not compact
     bytes_read: int
     rows_from_page_cache: int
-    last_from_page_cache: "np.ndarray | None"
+    last_from_page_cache: "np.ndarray | None"     # set before a read's during_io runs
 
     def check_file(self) -> None: ...
     def read(self, plan: ReadPlan) -> np.ndarray: ...
@@ -412,6 +412,7 @@ class _FdReader(Reader):
         self._pc = None             # pagecache.Residency of an O_DIRECT reader with page-cache reads
         self.last_from_page_cache = None   # bool [U] of the last O_DIRECT fetch: rows copied from the page cache
         self.during_io = None       # read(plan, during_io=f): f() runs once while the reads are in flight
+        self._native = native.library(self.config)[0]     # rows out of staging with no temporary (None: numpy copies)
         self._lock = threading.RLock()
         forksafe.track(self, "_lock")
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -467,10 +468,10 @@ class _FdReader(Reader):
                 return self._fetch_mixed(plan, res)
             end = np.minimum(plan.win_offsets + plan.win_lengths, self.file_size)
             staging = self.staging.ensure(plan.window_bytes)
+            self.last_from_page_cache = None
             self._submit(plan.win_offsets, plan.win_lengths, end - plan.win_offsets, staging, plan.win_staging)
             self.bytes_read += int((end - plan.win_offsets).sum())   # a window past the end of file stops there
             self.rows_from_device += plan.n_unique
-            self.last_from_page_cache = None
             return staging, plan.row_staging
         n = plan.n_unique * plan.row_bytes
         staging = self.staging.ensure(n)
@@ -511,6 +512,7 @@ class _FdReader(Reader):
         base = -(-wb // 64) * 64
         npc = int(pc.sum())
         staging = self.staging.ensure(base + npc * rb)
+        self.last_from_page_cache = pc
         self._submit(offs, lens, np.minimum(offs + lens, self.file_size) - offs, staging, wst)
         self._pc.take(plan.unique_rows[pc], rb, staging[base:base + npc * rb].reshape(npc, rb))
         out = np.empty(plan.n_unique, np.int64)
@@ -521,7 +523,6 @@ class _FdReader(Reader):
         self.bytes_read += wb + npc * rb
         self.rows_from_page_cache += npc
         self.rows_from_device += plan.n_unique - npc
-        self.last_from_page_cache = pc
         return staging, out
 
     def _run_during_io(self) -> None:
@@ -533,9 +534,10 @@ class _FdReader(Reader):
         """The plan's unique rows, uint8 [U, row_bytes]. during_io: a callable run once while the reads are in
         flight (io_uring: right after the first submission; the thread pools: before them; not at all when every
         row comes from the page cache). on_rows(pos, rows): the rows are handed over in parts instead of
-        returned (read returns None): rows = the unique rows at positions pos (int64, ascending), every row in
-        exactly one part; with io_uring and at least SPLIT_MIN O_DIRECT windows, the rows of the windows complete
-        at each fraction in HANDOVER come while the others are read."""
+        returned (read returns None): rows = the unique rows at positions pos (int64, ascending) as a
+        native.RowsAt, every row in exactly one part, valid during the call only (it may point into the reader's
+        staging); with io_uring and at least SPLIT_MIN O_DIRECT windows, the rows of the windows complete at each
+        fraction in HANDOVER come while the others are read."""
         with self._lock:        # the rows are copied out before another thread's fetch can reuse the staging
             self.during_io = during_io
             try:
@@ -558,36 +560,40 @@ class _FdReader(Reader):
             return None
         else:
             staging, offsets = self._fetch_checked(plan, res)
+            if on_rows is not None and self.odirect:      # straight from the windows to where the rows go
+                on_rows(np.arange(plan.n_unique, dtype=np.int64),
+                        native.RowsAt(staging, offsets, plan.row_bytes, self._native))
+                return None
             if self.odirect:
                 out = rows_at(staging, offsets, plan.row_bytes)
             else:
                 out = staging[:plan.n_unique * plan.row_bytes].reshape(plan.n_unique, plan.row_bytes).copy()
         if on_rows is None:
             return out
-        on_rows(np.arange(plan.n_unique, dtype=np.int64), out)
+        on_rows(np.arange(plan.n_unique, dtype=np.int64), native.RowsAt.of(out, self._native))
         return None
 
     def _read_handing_over(self, plan: ReadPlan, on_rows) -> None:
         """O_DIRECT windows in one submission; at each fraction HANDOVER of them complete, their rows are copied
         out and handed to on_rows while the others are read, then the rest (see SPLIT_MIN)."""
-        rb, rw = plan.row_bytes, plan.row_window
+        rw, U = plan.row_window, plan.n_unique
         staging = self.staging.ensure(plan.window_bytes)
         offs, lens = plan.win_offsets, plan.win_lengths
         expect = np.minimum(offs + lens, self.file_size) - offs  # a window past the end of file stops there
         self.last_from_page_cache = None
-        handed = np.zeros(plan.n_unique, bool)
+        handed = np.zeros(U, bool)
 
-        def hand(done: np.ndarray) -> None:
-            pos = np.flatnonzero(done[rw] & ~handed)
+        def hand(pos: np.ndarray) -> None:
             handed[pos] = True
-            on_rows(pos, rows_at(staging, plan.row_staging[pos], rb))
+            on_rows(pos, native.RowsAt(staging, plan.row_staging[pos], plan.row_bytes, self._native))
         self._submit(offs, lens, expect, staging, plan.win_staging,
-                     handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER], hand))
+                     handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER],
+                               lambda done: hand(np.flatnonzero(done[rw] & ~handed))))
         self.bytes_read += int(expect.sum())
-        self.rows_from_device += plan.n_unique
+        self.rows_from_device += U
         rest = np.flatnonzero(~handed)
         if rest.shape[0]:
-            on_rows(rest, rows_at(staging, plan.row_staging[rest], rb))
+            hand(rest)
 
     def close(self) -> None:
         with self._lock:

@@ -23,10 +23,12 @@ import logging
 import mmap
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import forksafe, hotrows, source
+from . import forksafe, hotrows, native, source
+from .native import RowsAt, copy_rows
 from .storage import close_mapping
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _SKETCH_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                          np.uint64)
 EMPTY, TOMB = -1, -2
+PENDING = -2            # slot_row of a slot reserved for a row whose bytes are being read (RowCache.reserve)
 _GOLD_INT, _M64 = int(_GOLD), (1 << 64) - 1
 SCALAR_MAX = 8          # HashIndex.get answers up to this many keys without numpy (see _get_few)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -53,7 +56,7 @@ def budget_for(cfg_bytes: int, table_bytes: int) -> int:
 class HashIndex:
     """int64 keys -> int64 values; open addressing, linear probing, every operation vectorized over a batch."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, lib=None):
         bits = max(4, int(2 * max(capacity, 1) - 1).bit_length())     # >= 2x the live keys: short probes
         self.size = 1 << bits
         self._shift = np.uint64(64 - bits)
@@ -61,6 +64,7 @@ class HashIndex:
         self.keys = np.full(self.size, EMPTY, np.int64)
         self.vals = np.zeros(self.size, np.int32)
         self.live = self.tombs = 0
+        self.lib = lib          # native.library()'s: get and insert in C (None: numpy)
 
     @staticmethod
     def nbytes_for(capacity: int) -> int:
@@ -88,6 +92,12 @@ class HashIndex:
     def get(self, k: np.ndarray) -> np.ndarray:
         if k.shape[0] <= SCALAR_MAX:
             return self._get_few(k)
+        if self.lib is not None:
+            k = np.ascontiguousarray(k, np.int64)
+            out = np.empty(k.shape[0], np.int64)
+            self.lib.gg_hash_get(self.keys.ctypes.data, self.vals.ctypes.data, self._mask, int(self._shift),
+                                 k.ctypes.data, k.shape[0], out.ctypes.data)
+            return out
         p = self.find(k)
         return np.where(p >= 0, self.vals[np.maximum(p, 0)], -1).astype(np.int64)
 
@@ -114,6 +124,12 @@ class HashIndex:
         """Insert distinct keys that are absent."""
         if self.live + self.tombs + k.shape[0] > self.size * 3 // 4:
             self._rebuild()
+        if self.lib is not None:
+            k, v = np.ascontiguousarray(k, np.int64), np.ascontiguousarray(v, np.int64)
+            self.tombs -= self.lib.gg_hash_insert(self.keys.ctypes.data, self.vals.ctypes.data, self._mask,
+                                                  int(self._shift), k.ctypes.data, v.ctypes.data, k.shape[0])
+            self.live += k.shape[0]
+            return
         pos = self._home(k)
         act = np.arange(k.shape[0])
         while act.size:
@@ -198,21 +214,32 @@ def capacity_for(budget: int, row_bytes: int) -> int:
     return lo
 
 
+@dataclass
+class Reservation:
+    """RowCache.reserve's answer: rows and, for each, the slot reserved for it until filled or settled (-1: none,
+    or done); epoch: the cache's at the reservation."""
+    rows: np.ndarray
+    slots: np.ndarray
+    epoch: int
+
+
 class RowCache:
     """Rows of one table file by row id, within `budget` bytes in all. Thread-safe (one lock per cache).
 
     store=False keeps the index and policy only (the device cache keeps the bytes in GPU memory).
     """
 
-    def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True, max_rows: int | None = None):
+    def __init__(self, *, row_bytes: int, budget: int, file_id=None, store: bool = True, max_rows: int | None = None,
+                 lib=None):
         self.row_bytes = int(row_bytes)
+        self.lib = lib                  # native.library()'s: copies with no temporary, the index in C (None: numpy)
         self.budget = int(budget)
         self.file_id = file_id
         self.capacity = capacity_for(self.budget, self.row_bytes)
         if max_rows is not None:            # never more slots than the table has rows (a budget above its size)
             self.capacity = min(self.capacity, int(max_rows))
         C = self.capacity
-        self.index = HashIndex(C)
+        self.index = HashIndex(C, lib)
         self.sketch = FreqSketch(C, period=10 * max(C, 1))
         self.slot_row = np.full(C, -1, np.int64)
         self.n_used = 0
@@ -227,7 +254,9 @@ class RowCache:
         forksafe.track(self, "lock")
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
         self._age = 0
-        self.gen = 0                                    # admissions so far (see admit)
+        self.gen = 0                                    # admissions so far (see reserve)
+        self.epoch = 0                                  # emptyings so far (a reservation is void after one)
+        self.pending = 0                                # slots reserved and not filled yet
         self._hand = 0
         self._mark = np.zeros(C, np.uint8)
         self._faulted = 0                               # bytes of the row mapping prefault() populated
@@ -239,13 +268,23 @@ class RowCache:
         """Bytes the cache holds now: rows in use plus the index, sketch and slot table (never above budget)."""
         return _footprint(self.capacity, self.row_bytes) - (self.capacity - self.n_used) * self.row_bytes
 
-    def lookup(self, rows: np.ndarray) -> np.ndarray:
-        """Slot of each (unique) row, -1 for a miss; counts the accesses (hits in their slot's counter, misses
-        in the sketch). Call under self.lock."""
+    def find(self, rows: np.ndarray) -> np.ndarray:
+        """Slot of each (unique) row, -1 for a miss (a row whose bytes are still being read is a miss), without
+        counting the access (count does). Call under self.lock."""
         if self._dirty:
             self._empty()
         rows = np.asarray(rows, np.int64)
-        slots = self.index.get(rows) if self.n_used else np.full(rows.shape[0], -1, np.int64)
+        if not self.n_used:
+            return np.full(rows.shape[0], -1, np.int64)
+        slots = self.index.get(rows)
+        if self.pending:            # reserved slots hold no bytes yet
+            slots[self.slot_row[np.maximum(slots, 0)] != rows] = -1
+        return slots
+
+    def count(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Count one access of each row found at slots (find's answer): hits in their slot's counter, misses in
+        the sketch. Call under self.lock."""
+        rows = np.asarray(rows, np.int64)
         if rows.shape[0] <= SCALAR_MAX:       # a decode step: the same counting without numpy calls (_get_few)
             sf, missed = self.slot_freq, []
             for r, sl in zip(rows.tolist(), slots.tolist()):
@@ -270,11 +309,16 @@ class RowCache:
             self._age //= 2
         self.hits += h
         self.misses += rows.shape[0] - h
+
+    def lookup(self, rows: np.ndarray) -> np.ndarray:
+        """find and count. Call under self.lock."""
+        slots = self.find(rows)
+        self.count(rows, slots)
         return slots
 
     def cached(self, rows: np.ndarray) -> np.ndarray:
         """Slot of each row, -1 where not cached, without counting an access (a prefetch's question: the read
-        that follows counts it). Call under self.lock."""
+        that follows counts it; a row being read counts as cached). Call under self.lock."""
         rows = np.asarray(rows, np.int64)
         if self._dirty or not self.n_used:
             return np.full(rows.shape[0], -1, np.int64)
@@ -286,39 +330,67 @@ class RowCache:
             g = self.gen
             return self.lookup(rows), g
 
-    def admit(self, rows: np.ndarray, data: np.ndarray | None = None, protect: np.ndarray | None = None,
-              gen: int | None = None):
-        """Offer freshly read (unique) rows; returns the slot each was stored in, -1 where not admitted.
+    # -- admission: reserve slots for rows being read, fill them as their bytes arrive, settle the rest ------------
+    # Between reserve and fill a slot is PENDING: in the index (no second reader admits the row) but no hit (find,
+    # copy_hits and victim sampling pass it by). The bookkeeping runs once per batch while its reads are in flight;
+    # a part that arrives costs a copy. settle gives back what was never filled (a failed read, page-cache rows).
 
-        data: uint8 [k, row_bytes] (ignored with store=False). protect: slots that must not be evicted now
-        (the current batch's hits). gen: self.gen at the lookup that found these rows missing (rows admitted
-        since, by another thread, are skipped). Call under self.lock.
+    def reserve(self, rows: np.ndarray, protect: np.ndarray | None = None, gen: int | None = None,
+                skip: np.ndarray | None = None) -> "Reservation":
+        """Slots for fresh (unique) rows about to be read: -1 where not admitted. protect: slots that must not be
+        evicted now (the current batch's hits). gen: self.gen at the find that found these rows missing (rows
+        reserved since, by another thread, are skipped). skip: bool mask of rows not to admit. Call under self.lock.
 
-        Anything raised inside (a KeyboardInterrupt from a signal handler between publishing a slot in the index
-        and writing its bytes) empties the cache before it propagates: a half-made admission is never a hit.
-        """
+        Anything raised inside empties the cache before it propagates (as in every step that changes it)."""
+        return self._guarded(self._reserve, rows, protect, gen, skip)
+
+    def fill(self, r: "Reservation", idx: np.ndarray, data) -> np.ndarray:
+        """The bytes of rows r.rows[idx] arrived (data: uint8 [k, row_bytes] or a native.RowsAt, ignored with
+        store=False): copied into their reserved slots, which become hits; returns the slot of each, -1 where
+        none was reserved (or the cache was emptied since). Call under self.lock."""
+        return self._guarded(self._fill, r, np.asarray(idx, np.int64), data)
+
+    def settle(self, r: "Reservation") -> None:
+        """Give back the slots of r never filled (their rows leave the index). Call under self.lock."""
+        self._guarded(self._settle, r)
+
+    def admit(self, rows: np.ndarray, data=None, protect: np.ndarray | None = None, gen: int | None = None):
+        """Offer freshly read (unique) rows whose bytes are all here: reserve, fill and settle in one step; returns
+        the slot each was stored in, -1 where not admitted. Call under self.lock."""
+        r = self.reserve(rows, protect, gen)
+        out = self.fill(r, np.arange(r.rows.shape[0]), data)
+        self.settle(r)
+        return out
+
+    def _guarded(self, step, *args):
+        """step(*args) with the cache dirty until it returns: anything raised inside (a KeyboardInterrupt from a
+        signal handler between publishing a slot and writing its bytes) empties the cache before it propagates,
+        so a half-made change is never a hit."""
         if self._dirty:
             self._empty()
-        self._dirty = True          # until this admission is whole (a second interrupt may hit the handler below)
+        self._dirty = True          # (a second interrupt may hit the handler below)
         try:
-            out = self._admit(rows, data, protect, gen)
+            out = step(*args)
         except BaseException:
             self._empty()
             raise
         self._dirty = False
         return out
 
-    def _admit(self, rows, data, protect, gen) -> np.ndarray:
+    def _reserve(self, rows, protect, gen, skip) -> "Reservation":
         rows = np.asarray(rows, np.int64)
         out = np.full(rows.shape[0], -1, np.int64)
+        r = Reservation(rows, out, self.epoch)
         C = self.capacity
         if not rows.size or not C:
-            return out
+            return r
         self.gen += 1
         todo = (np.flatnonzero(self.index.get(rows) < 0) if self.n_used and gen != self.gen - 1
                 else np.arange(rows.shape[0]))
+        if skip is not None:
+            todo = todo[~skip[todo]]
         if not todo.size:
-            return out
+            return r
         free = C - self.n_used
         freq = None
         if free < todo.shape[0]:                       # not all fit: the most frequent first
@@ -337,6 +409,8 @@ class RowCache:
                 self._mark[protect] = 1
                 sample = sample[self._mark[sample] == 0]
                 self._mark[protect] = 0
+            if self.pending:
+                sample = sample[self.slot_row[sample] != PENDING]     # another batch's rows are landing there
             vf = self.slot_freq[sample]
             o = np.argsort(vf, kind="stable")
             k = min(rest.shape[0], sample.shape[0])
@@ -344,24 +418,47 @@ class RowCache:
             ok = freq[free:free + k] > vf[o[:k]]
             victims, newcomers = victims[ok], rest[:k][ok]
             if victims.size:
-                self.index.delete(self.slot_row[victims])
-                self.evicted += victims.shape[0]
+                old = self.slot_row[victims]
+                self.index.delete(old[old >= 0])        # (a slot given back by settle holds no row)
+                self.evicted += int(np.count_nonzero(old >= 0))
                 pick = np.concatenate([pick, newcomers])
                 slots = np.concatenate([slots, victims])
         if pick.size:
-            self.slot_row[slots] = rows[pick]
+            self.slot_row[slots] = PENDING
             self.slot_freq[slots] = np.minimum(self.sketch.estimate(rows[pick]), 255)   # its history so far
             self.index.insert(rows[pick], slots)
-            if self.data.shape[0] and data is not None:
-                k = pick.shape[0]
-                if k == rows.shape[0] and k == slots[-1] - slots[0] + 1 and (np.diff(slots) == 1).all() \
-                        and (np.diff(pick) == 1).all():      # free slots filled in order: one memcpy
-                    self.data[slots[0]:slots[0] + k] = data
-                else:
-                    self.data[slots] = data[pick]
+            self.pending += pick.shape[0]
             out[pick] = slots
-            self.admitted += pick.shape[0]
-        return out
+        return r
+
+    def _fill(self, r, idx, data) -> np.ndarray:
+        if r.epoch != self.epoch:           # emptied or closed since: those slots may be another row's now
+            return np.full(idx.shape[0], -1, np.int64)
+        sl = r.slots[idx]
+        ok = np.flatnonzero(sl >= 0)
+        if ok.size:
+            got = sl[ok]
+            if self.data.shape[0] and data is not None:
+                if not isinstance(data, RowsAt):
+                    data = RowsAt.of(data)
+                data.take(ok).copy_to(self.data, got)
+            self.slot_row[got] = r.rows[idx[ok]]     # now a hit
+            r.slots[idx[ok]] = -1                   # (filled: settle leaves it)
+            self.pending -= ok.shape[0]
+            self.admitted += ok.shape[0]
+        return sl
+
+    def _settle(self, r) -> None:
+        if r.epoch != self.epoch:
+            return
+        left = np.flatnonzero(r.slots >= 0)
+        if left.size:
+            sl = r.slots[left]
+            self.index.delete(r.rows[left])
+            self.slot_row[sl] = -1
+            self.slot_freq[sl] = 0                  # the first victims a later admission takes
+            self.pending -= left.shape[0]
+            r.slots[left] = -1
 
     def copy_hits(self, slots: np.ndarray, unique_rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy the hits' rows (slots >= 0) into out; returns the hits whose slot no longer holds their row
@@ -372,10 +469,8 @@ class RowCache:
                 if self._dirty:
                     self._empty()
                 return hit
-            if 2 * int(hit.sum()) >= slots.shape[0]:    # mostly hits: one gather of every row (the misses' rows get
-                np.take(self.data, slots, axis=0, out=out, mode="clip")   # overwritten), not a gather then a scatter
-            else:
-                out[hit] = self.data[slots[hit]]
+            pos = np.flatnonzero(hit)
+            copy_rows(self.lib, self.data.reshape(-1), slots[pos] * self.row_bytes, out, pos)
             return hit & (self.slot_row[np.maximum(slots, 0)] != unique_rows)
 
     def prefault(self, k: int) -> None:
@@ -403,8 +498,8 @@ class RowCache:
         with self.lock:
             if self._dirty or not self.data.shape[0]:
                 return None
-            n = self.n_used
-            return self.slot_row[:n].copy(), self.slot_freq[:n].copy(), self.data[:n].copy()
+            live = np.flatnonzero(self.slot_row[:self.n_used] >= 0)    # (not slots reserved or given back)
+            return self.slot_row[live], self.slot_freq[live], self.data[live]
 
     def restore(self, ids: np.ndarray, freq: np.ndarray, rows: np.ndarray) -> int:
         """Fill an empty cache with saved rows (distinct ids, checked by hotrows.load) in slots 0..n-1, their
@@ -434,18 +529,21 @@ class RowCache:
         or hit copy empties it again before anything else."""
         self._dirty = True
         self.n_used = 0
-        self.index = HashIndex(self.capacity)
+        self.index = HashIndex(self.capacity, self.lib)
         self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
         self.slot_row.fill(-1)
         self.slot_freq.fill(0)
         self._age = 0
         self.gen += 1
+        self.epoch += 1
+        self.pending = 0
         self._dirty = False
 
     def close(self) -> None:
         # under the lock, and empty first: a thread that still holds this cache then only misses (admit returns)
         with self.lock:
-            self.capacity = self.n_used = 0
+            self.capacity = self.n_used = self.pending = 0
+            self.epoch += 1
             self.index = HashIndex(0)
             self.slot_row = self.slot_row[:0]
             self.data = np.zeros((0, self.row_bytes), np.uint8)
@@ -475,7 +573,7 @@ def cache_for(table) -> RowCache | None:
         for k in [k for k in _CACHES if k[0] == key[0] and k[1] != key[1]]:   # same path, other identity: stale
             _CACHES.pop(k).close()
         c = _CACHES[key] = RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
-                                    max_rows=table.n_rows)
+                                    max_rows=table.n_rows, lib=native.library(table.config)[0])
         while len(_CACHES) > MAX_FILES:
             _CACHES.popitem(last=False)[1].close()
         log.info("%s: row cache of %d rows (%d bytes budget)", table.path.name, c.capacity, budget)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .planner import ReadPlan, replan
+from .native import RowsAt
+from .planner import ReadPlan, replan, subplan
 
 
 def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | None = None,
@@ -35,10 +36,11 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     U = unique.shape[0]
     early = None
     with index.lock:
-        g, slots = index.gen, index.lookup(unique)
+        g, slots = index.gen, index.find(unique)
         hit = slots >= 0
         nh = int(np.count_nonzero(hit))
         if nh == U:
+            index.count(unique, slots)
             early = store.all_hits(slots)       # under the look-up's lock: no slot changes in between
     io["cache_hits"] += nh
     io["cache_misses"] += U - nh
@@ -54,24 +56,35 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     else:
         def plan_rows(r):
             return replan(plan, table.config, r)
-        mplan = plan_rows(missed) if nh else plan
+        mplan = (subplan(plan, ~hit) or plan_rows(missed)) if nh else plan
+    held = []                   # the batch's reservation, once made
 
-    def admit(pos: np.ndarray, fresh):
-        """Offer the misses at positions pos just read (fresh: their bytes, or None for an index-only cache);
-        returns (the indices into pos offered, the slot each went to or -1). Rows a read copied from the page cache
-        are offered only where the storage says so (reader.last_from_page_cache: the read's rows, all misses)."""
-        keep = np.arange(pos.shape[0])
-        pc = None if store.admit_page_cache else reader.last_from_page_cache
-        if pc is not None and pc.shape[0] == missed.shape[0]:
-            keep = keep[~pc[pos]]
-            fresh = fresh[keep] if fresh is not None else None
+    def reserve():
+        """Count the look-up and reserve slots for the misses the storage admits (not the rows this read copies
+        from the page cache unless store.admit_page_cache: reader.last_from_page_cache, known before the reads
+        are in flight): the cache's bookkeeping, done once while the reads are in flight where the reader allows."""
+        if not held:
+            pc = None if store.admit_page_cache else reader.last_from_page_cache
+            with index.lock:
+                index.count(unique, slots)
+                held.append(index.reserve(missed, protect=protect, gen=g,
+                                          skip=pc if pc is not None and pc.shape[0] == missed.shape[0] else None))
+        return held[0]
+
+    def admit(pos: np.ndarray, fresh) -> np.ndarray:
+        """The misses at positions pos arrived (fresh: their bytes, a native.RowsAt, or None for an index-only
+        cache): into their reserved slots; returns the slot of each, -1 where not admitted."""
+        r = reserve()
         with index.lock:
-            new = index.admit(missed[pos[keep]], fresh, protect=protect,
-                              gen=g if pos.shape[0] == missed.shape[0] else None)
-        return keep, new
+            return index.fill(r, pos, fresh)
     pc0 = reader.rows_from_page_cache
     batch = store.batch(unique, slots, missed)
-    n_stale = batch.read(reader, mplan, admit, plan_rows)
+    try:
+        n_stale = batch.read(reader, mplan, admit, plan_rows, reserve)
+    finally:
+        if held:
+            with index.lock:
+                index.settle(held[0])
     io["rows_from_cache"] += nh - n_stale
     pc = count_reader(io, reader, pc0, U - nh + n_stale)
     return batch.result(nh, pc)
@@ -112,45 +125,50 @@ class _HostBatch:
         self.cache, self.unique, self.slots, self.rows = cache, unique, slots, rows
         self.out = None
 
-    def read(self, reader, mplan: ReadPlan, admit, plan_rows) -> int:
-        """Read the misses (mplan) into the result, copy the hits beside them; returns the hits read again
-        (stale), planned by plan_rows(rows)."""
+    def read(self, reader, mplan: ReadPlan, admit, plan_rows, reserve) -> int:
+        """Read the misses (mplan) into the result, copy the hits beside them, reserve (cache bookkeeping) while
+        the reads are in flight; returns the hits read again (stale), planned by plan_rows(rows)."""
         cache, unique, slots, rows = self.cache, self.unique, self.slots, self.rows
         U, k = unique.shape[0], rows.shape[0]
         if k == U:                   # every row missed: no hits to copy
             def all_rows(pos, fresh):
                 if pos.shape[0] == U:            # one part: the reader's rows are the result
-                    self.out = fresh
+                    self.out = fresh.array()
                 else:
                     if self.out is None:
                         self.out = np.empty((U, mplan.row_bytes), np.uint8)
-                    self.out[pos] = fresh
+                    fresh.copy_to(self.out, pos)
                 admit(pos, fresh)
+
+            def during_all():
+                cache.prefault(U)
+                reserve()
             if reader.overlaps_io:
-                reader.read(mplan, during_io=lambda: cache.prefault(U), on_rows=all_rows)
+                reader.read(mplan, during_io=during_all, on_rows=all_rows)
             else:
-                all_rows(np.arange(k), reader.read(mplan))
+                all_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
             return 0
         out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
         miss_pos = np.flatnonzero(slots < 0)
         stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
 
-        def copy_hits():             # before any miss is in out (the copy may write every row)
+        def copy_hits():             # once, while the reads are in flight where the reader allows
             if not stale:
                 stale.append(cache.copy_hits(slots, unique, out))
 
         def during_io():
             copy_hits()
             cache.prefault(k)
+            reserve()
 
-        def on_rows(pos, fresh):     # the misses at pos; a first part comes while the rest is read
+        def on_rows(pos, fresh):     # the misses at pos (native.RowsAt); a first part comes while the rest is read
             copy_hits()
-            out[miss_pos[pos]] = fresh
+            fresh.copy_to(out, miss_pos[pos])
             admit(pos, fresh)
         if reader.overlaps_io:
             reader.read(mplan, during_io=during_io, on_rows=on_rows)
         else:
-            on_rows(np.arange(k), reader.read(mplan))
+            on_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
         copy_hits()                  # (no read was made: all from the page cache)
         if not stale[0].any():
             return 0
@@ -201,9 +219,9 @@ class _DeviceBatch:
         self.offsets = np.where(slots >= 0, slots * store.index.row_bytes, 0)
         self.words, self.src, self.dst = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
 
-    def read(self, reader, mplan: ReadPlan, admit, plan_rows) -> int:
+    def read(self, reader, mplan: ReadPlan, admit, plan_rows, reserve) -> int:
         """Read the misses (mplan) into the slot's fresh buffer or pool region (a device pool is lent to one
-        holder: no hit goes stale, plan_rows is not needed)."""
+        holder: no hit goes stale, plan_rows is not needed; the reservation is made at admission)."""
         st, rb, k = self.store, mplan.row_bytes, self.rows.shape[0]
         if st.region is None:
             got = reader.read(mplan)
@@ -214,9 +232,9 @@ class _DeviceBatch:
             reader.read_windows(mplan)
             fo = int(st.region) + mplan.row_staging
         self.offsets[self.slots < 0] = fo
-        keep, new = admit(np.arange(k), None)
+        new = admit(np.arange(k), None)
         ok = new >= 0
-        self.src, self.dst = fo[keep][ok], new[ok] * rb
+        self.src, self.dst = fo[ok], new[ok] * rb
         return 0
 
     def result(self, hits: int, from_page_cache: int) -> Staged:

@@ -19,6 +19,7 @@ import errno
 import functools
 import mmap
 import os
+import platform
 import threading
 import time
 import weakref
@@ -86,6 +87,16 @@ def full_barrier() -> None:
     m = ctypes.create_string_buffer(64)      # all zeros: PTHREAD_MUTEX_INITIALIZER
     libc.pthread_mutex_lock(m)
     libc.pthread_mutex_unlock(m)
+
+
+def _no_barrier() -> None:
+    pass
+
+
+# Reading a completion ring's tail, then its entries: an acquire. x86-64 never reorders a load with an earlier
+# load (TSO), so there it takes nothing (liburing's io_uring_smp_load_acquire is a plain load there); the mutex
+# barrier above cost 11 us a call on the development VM, one per reap.
+acquire = _no_barrier if platform.machine() in ("x86_64", "AMD64", "i686", "i386") else full_barrier
 
 
 def _sys(nr: int, *args) -> int:
@@ -322,7 +333,7 @@ class Ring:
                 if time.monotonic() > deadline:
                     raise TimeoutError
                 self._wait(inflight - ready)
-            full_barrier()
+            acquire()
             tail = int(self._cq_tail[0])
             self.drained += (tail - int(self._cq_head[0])) & U32
             self._cq_head[0] = tail
@@ -406,7 +417,7 @@ class Ring:
             m = (tail - head) & 0xFFFFFFFF
             if m == 0:
                 continue
-            full_barrier()      # acquire: the entries up to `tail` are visible (arm64)
+            acquire()           # the entries up to `tail` are visible (arm64)
             h0 = head & cmask
             sl = slice(h0, h0 + m) if h0 + m <= cmask + 1 else (head + ramp[:m]) & cmask
             idx = c_ud[sl].astype(np.int64)

@@ -172,7 +172,7 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
         p = t.plan(ids)
         assert p.n_windows == 40
         submits.clear()
-        assert r.read(p, on_rows=lambda pos, rows: parts.append((pos, rows.copy(), in_read[0]))) is None
+        assert r.read(p, on_rows=lambda pos, rows: parts.append((pos, rows.array(), in_read[0]))) is None
         assert submits == [40]                                  # one submission
         assert parts[0][2] and parts[0][0].shape[0] >= 20       # half the windows, handed over in flight
         during = [d for _, _, d in parts]

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import rowcache
+from gds_gather import native, rowcache
 from gds_gather.rowcache import HashIndex, RowCache, budget_for, capacity_for
 
 N_ROWS = 400
@@ -128,11 +128,17 @@ def test_capacity_footprint_fits_the_budget(budget, row_bytes):
     assert rowcache._footprint(c + 1, row_bytes) > budget
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.parametrize("native_index", [False, True], ids=["numpy", "native"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 300), max_size=60, unique=True)),
                     max_size=30))
-def test_hash_index_matches_a_dict(ops):
-    idx, model = HashIndex(300), {}
+def test_hash_index_matches_a_dict(native_index, ops):
+    lib = None
+    if native_index:
+        lib = native.library()[0]
+        if lib is None:
+            pytest.skip("no C compiler for the native helpers")
+    idx, model = HashIndex(300, lib), {}
     for insert, keys in ops:
         k = np.array(keys, np.int64)
         if insert:
@@ -147,6 +153,7 @@ def test_hash_index_matches_a_dict(ops):
         want = np.array([model.get(int(x), -1) for x in probe])
         np.testing.assert_array_equal(idx.get(probe), want)
         assert idx.live == len(model)
+        assert idx.tombs == int((idx.keys == rowcache.TOMB).sum())
 
 
 def test_policy_protects_hits_and_keeps_frequent_rows():
