@@ -252,7 +252,9 @@ def summary_lines(res: dict) -> list[str]:
     lines.append(f"cache     row cache {human_bytes(res['cache_bytes'])} of {human_bytes(res['cache_budget_bytes'])}"
                  f"{where}; the table's page cache {res['page_cache_growth_bytes'] / 2**20:+.1f} MiB")
     hot = res.get("hot_rows_file")
-    lines.append("hot rows  " + (f"{res['hot_rows_loaded']:,} read at start, written back at close" if hot
+    changed = ("changed, written back at close" if res.get("hot_rows_changed") else
+               "unchanged, nothing to write at close")
+    lines.append("hot rows  " + (f"{res['hot_rows_loaded']:,} read at start; {changed}" if hot
                                  else "off (--cold, GDS_GATHER_HOT_ROWS=0 or no row cache)"))
     if hot:
         lines.append(f"          {hot}")

@@ -384,13 +384,13 @@ class RowCache:
         C = self.capacity
         if not rows.size or not C:
             return r
-        self.gen += 1
-        todo = (np.flatnonzero(self.index.get(rows) < 0) if self.n_used and gen != self.gen - 1
+        todo = (np.flatnonzero(self.index.get(rows) < 0) if self.n_used and gen != self.gen
                 else np.arange(rows.shape[0]))
         if skip is not None:
             todo = todo[~skip[todo]]
         if not todo.size:
             return r
+        self.gen += 1               # (only where rows may enter: an unchanged cache needs no hot-row write)
         free = C - self.n_used
         freq = None
         if free < todo.shape[0]:                       # not all fit: the most frequent first
@@ -676,7 +676,8 @@ def stats(table, device_caches: list, bytes_requested: int) -> dict:
     caches = [c for c in [main, *device_caches] if c]
     looked = io["cache_hits"] + io["cache_misses"]
     io.update(hot_rows_loaded=main.hot_loaded if main else 0,
-              hot_rows_file=str(hotrows.path_for(main.hot)) if main and main.hot else None)
+              hot_rows_file=str(hotrows.path_for(main.hot)) if main and main.hot else None,
+              hot_rows_changed=bool(main and main.hot and main.gen != main.hot_saved))
     io.update(cache_hit_rate=io["cache_hits"] / looked if looked else 0.0,
               cache_bytes=sum(c.nbytes for c in caches),
               cache_budget_bytes=budget_for(table.config.cache_bytes, table.n_bytes),

@@ -2,6 +2,7 @@
 corrupt one. The oracle is gguf's dequantization of the table file as it is now."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -152,3 +153,27 @@ def test_off_writes_nothing(table):
     path, cfg = table
     _run(path, cfg.with_(hot_rows=0), np.arange(100))
     assert not (cfg.cache_dir / "hot").exists()
+
+
+def test_the_hot_file_is_written_only_when_the_cache_changed(table):
+    """Table.stats()'s hot_rows_changed (what `prefill` prints): a run whose rows all come from the hot file has
+    nothing to write back; one that admits rows does."""
+    path, cfg = table
+    cfg = dataclasses.replace(cfg, page_cache_reads=0)     # (this small file's head stays cached: its metadata map)
+    ids = np.arange(0, 400, 3)
+    x, _ = _run(path, cfg, ids)
+    rowcache.drop_all()                                       # written at the cache's end (as at exit)
+    target = hotrows.path_for(hotrows.Target.of(gg.open_table(path, config=cfg)))
+    rowcache.save_hot()
+    for again, changed in ((ids, False), (np.arange(1, 400, 3), True)):
+        rowcache.drop_all()
+        measure.evict_file(path)
+        mtime = target.stat().st_mtime_ns
+        with gg.open_table(path, config=cfg) as t:
+            got = t.gather(again, backend="direct")
+            s = t.stats()
+        assert s["hot_rows_loaded"] > 0 and s["hot_rows_changed"] is changed
+        assert np.array_equal(got, reference(path)[again])
+        rowcache.save_hot()
+        assert (target.stat().st_mtime_ns != mtime) is changed
+    target.unlink()
