@@ -9,8 +9,12 @@ every 10 x capacity counts); misses fill free slots first; once full, a miss is 
 frequency beats that of a victim drawn from a sweeping sample of slots (sampled LFU), never a slot the current
 batch hit.
 
-Everything is vectorized per batch: the index is an open-addressing hash table of numpy arrays (linear probing,
-a few vectorized probe rounds per batch), the sketch and the eviction sample are numpy too. Row bytes live in one
+Admission comes in steps (reserve, fill, settle): the bookkeeping once per batch while its reads are in flight,
+then each part's bytes into slots reserved for them (PENDING until then: no hit, no victim).
+
+Everything is per batch: the index is an open-addressing hash table in numpy arrays (linear probing), probed by C
+loops where the native helpers build and by vectorized probe rounds otherwise; the sketch and the eviction sample
+are numpy. Row bytes live in one
 page-aligned anonymous mapping (pinnable for the GPU). The whole footprint (rows, index, sketch, slot table)
 stays within the budget. A cache belongs to one file identity (device, inode, size, mtime): `cache_for` keys
 caches by it, so a new Table on an unchanged file finds the rows an earlier one cached, and a changed file
@@ -323,12 +327,6 @@ class RowCache:
         if self._dirty or not self.n_used:
             return np.full(rows.shape[0], -1, np.int64)
         return self.index.get(rows)
-
-    def lookup_gen(self, rows: np.ndarray) -> tuple[np.ndarray, int]:
-        """lookup under the lock, with the generation to pass to admit(gen=) for the rows that missed."""
-        with self.lock:
-            g = self.gen
-            return self.lookup(rows), g
 
     # -- admission: reserve slots for rows being read, fill them as their bytes arrive, settle the rest ------------
     # Between reserve and fill a slot is PENDING: in the index (no second reader admits the row) but no hit (find,
