@@ -258,7 +258,7 @@ class RowCache:
         forksafe.track(self, "lock")
         self.slot_freq = np.zeros(C, np.uint8)        # access counts of cached rows (aged with the sketch)
         self._age = 0
-        self.gen = 0                                    # admissions so far (see reserve)
+        self.gen = 0                                    # changes that may add rows (hot-row file: save_hot)
         self.epoch = 0                                  # emptyings so far (a reservation is void after one)
         self.pending = 0                                # slots reserved and not filled yet
         self._hand = 0
@@ -333,14 +333,15 @@ class RowCache:
     # copy_hits and victim sampling pass it by). The bookkeeping runs once per batch while its reads are in flight;
     # a part that arrives costs a copy. settle gives back what was never filled (a failed read, page-cache rows).
 
-    def reserve(self, rows: np.ndarray, protect: np.ndarray | None = None, gen: int | None = None,
+    def reserve(self, rows: np.ndarray, protect: np.ndarray | None = None,
                 skip: np.ndarray | None = None) -> "Reservation":
-        """Slots for fresh (unique) rows about to be read: -1 where not admitted. protect: slots that must not be
-        evicted now (the current batch's hits). gen: self.gen at the find that found these rows missing (rows
-        reserved since, by another thread, are skipped). skip: bool mask of rows not to admit. Call under self.lock.
+        """Slots for fresh (unique) rows about to be read: -1 where not admitted (among them rows the index holds
+        already: reserved by another reader since this one's find, or being read, which find calls a miss).
+        protect: slots that must not be evicted now (the current batch's hits). skip: bool mask of rows not to
+        admit. Call under self.lock.
 
         Anything raised inside empties the cache before it propagates (as in every step that changes it)."""
-        return self._guarded(self._reserve, rows, protect, gen, skip)
+        return self._guarded(self._reserve, rows, protect, skip)
 
     def fill(self, r: "Reservation", idx: np.ndarray, data) -> np.ndarray:
         """The bytes of rows r.rows[idx] arrived (data: uint8 [k, row_bytes] or a native.RowsAt, ignored with
@@ -352,10 +353,10 @@ class RowCache:
         """Give back the slots of r never filled (their rows leave the index). Call under self.lock."""
         self._guarded(self._settle, r)
 
-    def admit(self, rows: np.ndarray, data=None, protect: np.ndarray | None = None, gen: int | None = None):
+    def admit(self, rows: np.ndarray, data=None, protect: np.ndarray | None = None):
         """Offer freshly read (unique) rows whose bytes are all here: reserve, fill and settle in one step; returns
         the slot each was stored in, -1 where not admitted. Call under self.lock."""
-        r = self.reserve(rows, protect, gen)
+        r = self.reserve(rows, protect)
         out = self.fill(r, np.arange(r.rows.shape[0]), data)
         self.settle(r)
         return out
@@ -375,15 +376,15 @@ class RowCache:
         self._dirty = False
         return out
 
-    def _reserve(self, rows, protect, gen, skip) -> "Reservation":
+    def _reserve(self, rows, protect, skip) -> "Reservation":
         rows = np.asarray(rows, np.int64)
         out = np.full(rows.shape[0], -1, np.int64)
         r = Reservation(rows, out, self.epoch)
         C = self.capacity
         if not rows.size or not C:
             return r
-        todo = (np.flatnonzero(self.index.get(rows) < 0) if self.n_used and gen != self.gen
-                else np.arange(rows.shape[0]))
+        # asked of the index itself: a miss of find may be a row being read (pending) or filled since
+        todo = np.flatnonzero(self.index.get(rows) < 0) if self.n_used else np.arange(rows.shape[0])
         if skip is not None:
             todo = todo[~skip[todo]]
         if not todo.size:

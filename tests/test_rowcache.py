@@ -161,14 +161,12 @@ def test_policy_protects_hits_and_keeps_frequent_rows():
     assert c.capacity == 64
     hot = np.arange(64, dtype=np.int64)
     for _ in range(5):                     # hot rows: seen often
-        g = c.gen
         s = c.lookup(hot)
-        c.admit(hot[s < 0], None, gen=g)
+        c.admit(hot[s < 0], None)
     assert (c.lookup(hot) >= 0).all()
     cold = np.arange(1000, 1200, dtype=np.int64)     # one-hit rows do not push frequent ones out
-    g = c.gen
     s = c.lookup(cold)
-    c.admit(cold, None, protect=np.arange(64), gen=g)
+    c.admit(cold, None, protect=np.arange(64))
     assert (c.index.get(hot) >= 0).all()
     assert c.nbytes <= c.budget
 

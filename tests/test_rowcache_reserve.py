@@ -49,6 +49,22 @@ def test_reserved_rows_are_misses_until_filled_then_hits_with_their_bytes(use_li
     np.testing.assert_array_equal(data, _bytes(ids))
 
 
+def test_a_row_another_reader_reserved_or_filled_since_a_find_is_never_admitted_twice():
+    """find calls a row being read a miss; the reader that missed it must not give it a second slot, whether the
+    other reader is still reading it or filled it meanwhile."""
+    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    with c.lock:
+        other = c.reserve(np.array([5, 6], np.int64))
+        assert (c.find(np.array([5, 6], np.int64)) == -1).all()       # this reader misses them
+        mine = c.reserve(np.array([5], np.int64))                      # still being read: no second slot
+        assert (mine.slots == -1).all()
+        c.fill(other, np.array([0, 1]), np.full((2, 8), 3, np.uint8))  # ...or filled since this reader's find
+        mine = c.reserve(np.array([5, 6, 7], np.int64))
+        assert mine.slots.tolist()[:2] == [-1, -1] and mine.slots[2] >= 0
+        for row in (5, 6, 7):
+            assert int((c.index.keys == row).sum()) == 1                # one entry a row
+
+
 def test_a_reserved_slot_is_never_a_victim_and_a_given_back_one_is_reused():
     c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
     assert c.capacity == 4
