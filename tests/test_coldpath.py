@@ -265,6 +265,10 @@ def test_tables_of_one_file_in_threads_with_clears_return_the_files_rows(monkeyp
         th.join()
     assert not errs, errs[:3]
     assert batches[0] > 100 and stale[0] > 0, (batches, stale)
+    for c in rowcache._CACHES.values():            # the index: one entry a row, each at the slot holding that row
+        keys = c.index.keys[c.index.keys >= 0]
+        assert np.unique(keys).size == keys.size and c.pending == 0
+        np.testing.assert_array_equal(c.slot_row[c.index.get(keys)], keys)
 
 
 def test_an_interrupted_admission_leaves_no_wrong_hit(wide):
