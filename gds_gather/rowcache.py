@@ -26,6 +26,7 @@ import atexit
 import logging
 import mmap
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _SKETCH_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                          np.uint64)
 EMPTY, TOMB = -1, -2
-PENDING = -2            # slot_row of a slot reserved for a row whose bytes are being read (RowCache.reserve)
+PENDING = -3            # slot_row <= PENDING: reserved for row PENDING - slot_row, its bytes being read (reserve)
 _GOLD_INT, _M64 = int(_GOLD), (1 << 64) - 1
 SCALAR_MAX = 8          # HashIndex.get answers up to this many keys without numpy (see _get_few)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -218,7 +219,7 @@ def capacity_for(budget: int, row_bytes: int) -> int:
     return lo
 
 
-@dataclass
+@dataclass(eq=False)       # (identity: the cache keeps the live ones in a WeakSet)
 class Reservation:
     """RowCache.reserve's answer: rows and, for each, the slot reserved for it until filled or settled (-1: none,
     or done); epoch: the cache's at the reservation."""
@@ -261,6 +262,7 @@ class RowCache:
         self.gen = 0                                    # changes that may add rows (hot-row file: save_hot)
         self.epoch = 0                                  # emptyings so far (a reservation is void after one)
         self.pending = 0                                # slots reserved and not filled yet
+        self._live = weakref.WeakSet()                  # reservations not settled yet (see _reclaim)
         self._hand = 0
         self._mark = np.zeros(C, np.uint8)
         self._faulted = 0                               # bytes of the row mapping prefault() populated
@@ -281,8 +283,8 @@ class RowCache:
         if not self.n_used:
             return np.full(rows.shape[0], -1, np.int64)
         slots = self.index.get(rows)
-        if self.pending:            # reserved slots hold no bytes yet
-            slots[self.slot_row[np.maximum(slots, 0)] != rows] = -1
+        # a hit is a slot holding that row: not one reserved for it (no bytes yet), nor any disagreement
+        slots[self.slot_row[np.maximum(slots, 0)] != rows] = -1
         return slots
 
     def count(self, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -383,6 +385,8 @@ class RowCache:
         C = self.capacity
         if not rows.size or not C:
             return r
+        if self.pending:
+            self._reclaim()
         # asked of the index itself: a miss of find may be a row being read (pending) or filled since
         todo = np.flatnonzero(self.index.get(rows) < 0) if self.n_used else np.arange(rows.shape[0])
         if skip is not None:
@@ -409,7 +413,7 @@ class RowCache:
                 sample = sample[self._mark[sample] == 0]
                 self._mark[protect] = 0
             if self.pending:
-                sample = sample[self.slot_row[sample] != PENDING]     # another batch's rows are landing there
+                sample = sample[self.slot_row[sample] > PENDING]      # another batch's rows are landing there
             vf = self.slot_freq[sample]
             o = np.argsort(vf, kind="stable")
             k = min(rest.shape[0], sample.shape[0])
@@ -423,12 +427,25 @@ class RowCache:
                 pick = np.concatenate([pick, newcomers])
                 slots = np.concatenate([slots, victims])
         if pick.size:
-            self.slot_row[slots] = PENDING
+            self.slot_row[slots] = PENDING - rows[pick]
             self.slot_freq[slots] = np.minimum(self.sketch.estimate(rows[pick]), 255)   # its history so far
             self.index.insert(rows[pick], slots)
             self.pending += pick.shape[0]
             out[pick] = slots
+            self._live.add(r)
         return r
+
+    def _reclaim(self) -> None:
+        """Give back the slots of reservations that died unsettled (an exception between a reservation and its
+        settle, e.g. KeyboardInterrupt while waiting for the lock): pending slots no live reservation owns."""
+        owned = [x.slots[x.slots >= 0] for x in list(self._live) if x.epoch == self.epoch]
+        pend = np.flatnonzero(self.slot_row[:self.n_used] <= PENDING)
+        lost = np.setdiff1d(pend, np.concatenate(owned)) if owned else pend
+        if lost.size:
+            self.index.delete(PENDING - self.slot_row[lost])
+            self.slot_row[lost] = -1
+            self.slot_freq[lost] = 0
+            self.pending -= lost.shape[0]
 
     def _fill(self, r, idx, data) -> np.ndarray:
         if r.epoch != self.epoch:           # emptied or closed since: those slots may be another row's now
@@ -445,6 +462,7 @@ class RowCache:
             r.slots[idx[ok]] = -1                   # (filled: settle leaves it)
             self.pending -= ok.shape[0]
             self.admitted += ok.shape[0]
+            self.gen += 1                           # (rows became live: a hot-row snapshot taken since lacks them)
         return sl
 
     def _settle(self, r) -> None:
@@ -536,6 +554,7 @@ class RowCache:
         self.gen += 1
         self.epoch += 1
         self.pending = 0
+        self._live = weakref.WeakSet()
         self._dirty = False
 
     def close(self) -> None:

@@ -32,12 +32,14 @@ def test_reserved_rows_are_misses_until_filled_then_hits_with_their_bytes(use_li
     rows = np.array([3, 9, 40], np.int64)
     with c.lock:
         r = c.reserve(rows)
-        assert (r.slots >= 0).all() and (c.slot_row[r.slots] == PENDING).all() and c.pending == 3
+        assert (r.slots >= 0).all() and (c.slot_row[r.slots] == PENDING - rows).all() and c.pending == 3
         assert (c.find(rows) == -1).all()                  # being read: no hit (no bytes yet)
         assert (c.cached(rows) >= 0).all()                 # ...but a prefetch need not read it again
         assert (c.reserve(rows).slots == -1).all()         # nor does a second reader admit it twice
+        g = c.gen
         got = c.fill(r, np.array([0, 2]), native.RowsAt.of(_bytes(rows[[0, 2]])))
         assert (got >= 0).all() and c.pending == 1
+        assert c.gen > g                                   # rows became live: the hot-row file is out of date
         s = c.find(rows)
         assert s[0] >= 0 and s[1] == -1 and s[2] >= 0
         np.testing.assert_array_equal(c.data[s[[0, 2]]], _bytes(rows[[0, 2]]))
@@ -85,6 +87,25 @@ def test_a_reserved_slot_is_never_a_victim_and_a_given_back_one_is_reused():
         assert (s >= 0).all() and (c.data[s[3]] == 7).all()
 
 
+def test_a_reservation_lost_unsettled_is_given_back_at_the_next_one():
+    """A batch interrupted between its reservation and its settle (KeyboardInterrupt waiting for the lock) leaves
+    pending slots no one owns: the next reservation takes them back, and the row can be cached again."""
+    import gc
+    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    with c.lock:
+        c.reserve(np.array([1, 2], np.int64))      # the Reservation is dropped unsettled
+        gc.collect()
+        keep = c.reserve(np.array([3], np.int64))  # takes back the slots of 1 and 2
+        assert c.pending == 1 and (c.index.get(np.array([1, 2], np.int64)) == -1).all()
+        again = c.reserve(np.array([1, 9], np.int64))      # keep is alive: its slot stays reserved
+        assert (again.slots >= 0).all() and c.pending == 3 and keep.slots[0] not in again.slots
+        c.fill(again, np.arange(2), np.full((2, 8), 4, np.uint8))
+        c.fill(keep, np.arange(1), np.full((1, 8), 6, np.uint8))
+        s = c.find(np.array([1, 3, 9], np.int64))
+        assert (s >= 0).all() and c.pending == 0
+        assert (c.data[s] == np.array([[4], [6], [4]], np.uint8)).all()
+
+
 def test_a_cache_emptied_between_reserve_and_fill_takes_no_bytes():
     c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
     with c.lock:
@@ -123,7 +144,7 @@ def test_a_failed_read_leaves_no_slot_pending(tmp_path, ggufs):
             t.read_rows(np.arange(0, 300, 2), "direct")
         rd.inject = None
         c = rowcache._existing(t)
-        assert c.pending == 0 and (c.slot_row[:c.n_used] != PENDING).all()
+        assert c.pending == 0 and (c.slot_row[:c.n_used] > PENDING).all()
         ids = np.arange(0, 300, 2)
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
     rowcache.drop_all()
