@@ -283,9 +283,14 @@ class RowCache:
         if not self.n_used:
             return np.full(rows.shape[0], -1, np.int64)
         slots = self.index.get(rows)
-        # a hit is a slot holding that row: not one reserved for it (no bytes yet), nor any disagreement
-        slots[self.slot_row[np.maximum(slots, 0)] != rows] = -1
+        if self.pending:            # a slot reserved for its row holds no bytes yet: a miss (slot_row <= PENDING)
+            slots[self.slot_row[np.maximum(slots, 0)] != rows] = -1
         return slots
+
+    def since(self) -> int | None:
+        """What reserve(gen=) may be given after a find (call under the same lock hold): the generation, where
+        find's misses are then surely absent from the index (no slot reserved at the time), else None."""
+        return None if self.pending else self.gen
 
     def count(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Count one access of each row found at slots (find's answer): hits in their slot's counter, misses in
@@ -335,15 +340,17 @@ class RowCache:
     # copy_hits and victim sampling pass it by). The bookkeeping runs once per batch while its reads are in flight;
     # a part that arrives costs a copy. settle gives back what was never filled (a failed read, page-cache rows).
 
-    def reserve(self, rows: np.ndarray, protect: np.ndarray | None = None,
+    def reserve(self, rows: np.ndarray, protect: np.ndarray | None = None, gen: int | None = None,
                 skip: np.ndarray | None = None) -> "Reservation":
         """Slots for fresh (unique) rows about to be read: -1 where not admitted (among them rows the index holds
-        already: reserved by another reader since this one's find, or being read, which find calls a miss).
-        protect: slots that must not be evicted now (the current batch's hits). skip: bool mask of rows not to
-        admit. Call under self.lock.
+        already: reserved or filled by another reader since this one's find, or being read, which find calls a
+        miss). protect: slots that must not be evicted now (the current batch's hits). gen: since() at the find
+        that missed these rows; while the generation has not moved (every insertion and fill moves it) the index
+        need not be asked again (a large cache's look-up of a batch's misses costs ~1 ms in cache misses). skip:
+        bool mask of rows not to admit. Call under self.lock.
 
         Anything raised inside empties the cache before it propagates (as in every step that changes it)."""
-        return self._guarded(self._reserve, rows, protect, skip)
+        return self._guarded(self._reserve, rows, protect, gen, skip)
 
     def fill(self, r: "Reservation", idx: np.ndarray, data) -> np.ndarray:
         """The bytes of rows r.rows[idx] arrived (data: uint8 [k, row_bytes] or a native.RowsAt, ignored with
@@ -378,7 +385,7 @@ class RowCache:
         self._dirty = False
         return out
 
-    def _reserve(self, rows, protect, skip) -> "Reservation":
+    def _reserve(self, rows, protect, gen, skip) -> "Reservation":
         rows = np.asarray(rows, np.int64)
         out = np.full(rows.shape[0], -1, np.int64)
         r = Reservation(rows, out, self.epoch)
@@ -387,8 +394,8 @@ class RowCache:
             return r
         if self.pending:
             self._reclaim()
-        # asked of the index itself: a miss of find may be a row being read (pending) or filled since
-        todo = np.flatnonzero(self.index.get(rows) < 0) if self.n_used else np.arange(rows.shape[0])
+        fresh = not self.n_used or (gen is not None and gen == self.gen)
+        todo = np.arange(rows.shape[0]) if fresh else np.flatnonzero(self.index.get(rows) < 0)
         if skip is not None:
             todo = todo[~skip[todo]]
         if not todo.size:

@@ -37,7 +37,7 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     U = unique.shape[0]
     early = None
     with index.lock:
-        slots = index.find(unique)
+        slots, g = index.find(unique), index.since()
         hit = slots >= 0
         nh = int(np.count_nonzero(hit))
         if nh == U:
@@ -68,7 +68,7 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
             pc = None if store.admit_page_cache else reader.last_from_page_cache
             with index.lock:
                 index.count(unique, slots)
-                held.append(index.reserve(missed, protect=protect,
+                held.append(index.reserve(missed, protect=protect, gen=g,
                                           skip=pc if pc is not None and pc.shape[0] == missed.shape[0] else None))
         return held[0]
 

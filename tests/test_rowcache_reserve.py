@@ -55,15 +55,24 @@ def test_a_row_another_reader_reserved_or_filled_since_a_find_is_never_admitted_
     """find calls a row being read a miss; the reader that missed it must not give it a second slot, whether the
     other reader is still reading it or filled it meanwhile."""
     c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
-    with c.lock:
+    with c.lock:                                # as source.through: find, since(), later reserve(gen=)
         other = c.reserve(np.array([5, 6], np.int64))
         assert (c.find(np.array([5, 6], np.int64)) == -1).all()       # this reader misses them
-        mine = c.reserve(np.array([5], np.int64))                      # still being read: no second slot
+        g = c.since()
+        assert g is None                                               # a slot reserved: no shortcut
+        mine = c.reserve(np.array([5], np.int64), gen=g)               # still being read: no second slot
         assert (mine.slots == -1).all()
         c.fill(other, np.array([0, 1]), np.full((2, 8), 3, np.uint8))  # ...or filled since this reader's find
-        mine = c.reserve(np.array([5, 6, 7], np.int64))
+        mine = c.reserve(np.array([5, 6, 7], np.int64), gen=g)
         assert mine.slots.tolist()[:2] == [-1, -1] and mine.slots[2] >= 0
-        for row in (5, 6, 7):
+        c.fill(mine, np.array([2]), np.full((1, 8), 7, np.uint8))
+        assert (c.find(np.array([8], np.int64)) == -1).all()           # nothing pending: find's misses are absent
+        g = c.since()
+        assert g == c.gen
+        late = c.reserve(np.array([8], np.int64))                      # another reader reserves 8 meanwhile
+        mine = c.reserve(np.array([8], np.int64), gen=g)               # the generation moved: asked again
+        assert (mine.slots == -1).all() and (late.slots >= 0).all()
+        for row in (5, 6, 7, 8):
             assert int((c.index.keys == row).sum()) == 1                # one entry a row
 
 
