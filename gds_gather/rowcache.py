@@ -153,6 +153,12 @@ class HashIndex:
             pos[act] = (pos[act] + 1) & self._mask
         self.live += k.shape[0]
 
+    def clear(self) -> None:
+        """Forget every key, in place (memory already touched: a new table's first touch of its pages costs more
+        than the fill, and sometimes tens of ms on a virtual machine)."""
+        self.keys.fill(EMPTY)
+        self.live = self.tombs = 0
+
     def delete(self, k: np.ndarray) -> None:
         p = self.find(k)
         p = p[p >= 0]
@@ -553,8 +559,8 @@ class RowCache:
         or hit copy empties it again before anything else."""
         self._dirty = True
         self.n_used = 0
-        self.index = HashIndex(self.capacity, self.lib)
-        self.sketch = FreqSketch(self.capacity, period=10 * max(self.capacity, 1))
+        self.index.clear()
+        self.sketch.table.fill(0)
         self.slot_row.fill(-1)
         self.slot_freq.fill(0)
         self._age = 0
