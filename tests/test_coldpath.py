@@ -286,6 +286,7 @@ def test_an_interrupted_admission_leaves_no_wrong_hit(wide):
         c.index.insert = insert
         with pytest.raises(KeyboardInterrupt):
             t.read_rows(np.arange(10, 30), "direct")
+        del c.index.insert                  # (the emptied cache keeps its index object: the handler is gone)
         assert c.n_used == 0
         np.testing.assert_array_equal(t.read_rows(np.arange(30), "direct"), raw[:30])
         np.testing.assert_array_equal(t.read_rows(np.arange(30), "direct"), raw[:30])
@@ -293,24 +294,25 @@ def test_an_interrupted_admission_leaves_no_wrong_hit(wide):
 
 
 def test_an_interrupted_emptying_leaves_no_wrong_hit(wide, monkeypatch):
-    """A second interrupt, inside the emptying itself (building the new index): the cache stays dirty and is
-    emptied before its next use, so old index entries never point at rows admitted afterwards."""
+    """A second interrupt, inside the emptying itself (clearing the index): the cache stays dirty and is emptied
+    before its next use, so old index entries never point at rows admitted afterwards."""
     path, raw = wide
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         t.read_rows(np.arange(10), "direct")
         c = rowcache._existing(t)
-        real_index = rowcache.HashIndex
+        real_clear = rowcache.HashIndex.clear
         calls = [0]
 
-        def index_once(*a):
+        def clear_once(self):
             calls[0] += 1
             if calls[0] == 1:
                 raise KeyboardInterrupt
-            return real_index(*a)
-        monkeypatch.setattr(rowcache, "HashIndex", index_once)
+            return real_clear(self)
+        monkeypatch.setattr(rowcache.HashIndex, "clear", clear_once)
         with pytest.raises(KeyboardInterrupt):
             c.clear()
-        monkeypatch.setattr(rowcache, "HashIndex", real_index)
+        assert c._dirty and (c.index.get(np.arange(10)) >= 0).all()     # the old entries are still there...
+        monkeypatch.setattr(rowcache.HashIndex, "clear", real_clear)
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
         np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
