@@ -10,12 +10,12 @@
  * gg_hash_get, gg_hash_insert: rowcache.HashIndex's look-up and insertion (the same table, hash and probe order
  *   as its numpy code), one key at a time: a batch's probe rounds cost a dozen numpy calls each there.
  */
-#include <string.h>
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -26,6 +26,7 @@ _I64P = ctypes.POINTER(ctypes.c_int64)
 def _ptr(a: np.ndarray):
     return a.ctypes.data_as(_I64P)
 
+
 @functools.cache
 def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     src = resources.files("gds_gather").joinpath("native.c").read_bytes()
@@ -133,7 +134,7 @@ def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None)
         raise IndexError("copy_rows: a row lies outside its buffer")
     if lib is None:
         view = np.lib.stride_tricks.sliding_window_view(src.reshape(-1)[:int(so.max()) + rb], rb)
-        dst[do] = view[so]
+        dst[do] = view[so]      # (not np.take: on this overlapping view it would copy the whole view first)
         return
     do = do * rb
     lib.gg_copy_rows(src.ctypes.data, so.ctypes.data, dst.ctypes.data, do.ctypes.data, n, rb)

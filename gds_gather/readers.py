@@ -272,14 +272,6 @@ def _reserve(size: int, reserve: int) -> mmap.mmap:
         return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def rows_at(staging: np.ndarray, offsets: np.ndarray, row_bytes: int) -> np.ndarray:
-    """Rows of row_bytes at byte `offsets` of staging (what fetch returns), as one vectorized gather."""
-    if not offsets.shape[0]:
-        return np.empty((0, row_bytes), np.uint8)
-    view = np.lib.stride_tricks.sliding_window_view(staging[:int(offsets.max()) + row_bytes], row_bytes)
-    return view[offsets]     # (not np.take: on this overlapping view it would copy the whole view first)
-
-
 class MmapReader(Reader):
     """llama.cpp's lazy mode: the table mapped with MADV_RANDOM, rows gathered by page faults (numpy fancy index)."""
 
@@ -565,7 +557,7 @@ class _FdReader(Reader):
                         native.RowsAt(staging, offsets, plan.row_bytes, self._native))
                 return None
             if self.odirect:
-                out = rows_at(staging, offsets, plan.row_bytes)
+                out = native.RowsAt(staging, offsets, plan.row_bytes, self._native).array()
             else:
                 out = staging[:plan.n_unique * plan.row_bytes].reshape(plan.n_unique, plan.row_bytes).copy()
         if on_rows is None:
