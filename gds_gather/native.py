@@ -17,14 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import arena
 from .config import Config
 
 log = logging.getLogger(__name__)
-_I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-def _ptr(a: np.ndarray):
-    return a.ctypes.data_as(_I64P)
 
 
 @functools.cache
@@ -47,16 +43,16 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
                 return None, f"building the native helpers failed: {r.stderr.strip()[:300]}"
             os.replace(out, so)     # atomic: concurrent first uses do not see a half-written library
     lib = ctypes.CDLL(str(so))
+    # arrays go as addresses (ndarray.ctypes.data): ndarray.ctypes.data_as costs several microseconds a call
     lib.gg_pread_pool.restype = ctypes.c_int64
-    lib.gg_pread_pool.argtypes = [ctypes.c_int, _I64P, _I64P, _I64P, ctypes.c_void_p, _I64P, ctypes.c_int64,
+    lib.gg_pread_pool.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64,
                                   ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                                   ctypes.POINTER(ctypes.c_int)]
     lib.gg_madvise_ranges.restype = ctypes.c_int
-    lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int]
+    lib.gg_madvise_ranges.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
     lib.gg_publish_i32.restype = None
     lib.gg_publish_i32.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.gg_copy_rows.restype = None
-    # (the hot paths' arrays go as addresses: ndarray.ctypes.data_as costs several microseconds a call)
     lib.gg_copy_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     lib.gg_hash_get.restype = None
     lib.gg_hash_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
@@ -65,7 +61,7 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.gg_hash_insert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64]
     lib.gg_mincore_rows.restype = None
-    lib.gg_mincore_rows.argtypes = [ctypes.c_void_p, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.gg_mincore_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     return lib, f"native helpers {so.name}"
 
 
@@ -86,15 +82,15 @@ def pread_pool(lib, fd: int, offsets, lengths, expect, dst: np.ndarray, dst_offs
     ex = np.ascontiguousarray(expect, np.int64)
     do = np.ascontiguousarray(dst_offsets, np.int64)
     code = ctypes.c_int(0)
-    idx = lib.gg_pread_pool(fd, _ptr(off), _ptr(ln), _ptr(ex), dst.ctypes.data, _ptr(do), off.shape[0], align,
-                            threads, inject[0], inject[1], ctypes.byref(code))
+    idx = lib.gg_pread_pool(fd, off.ctypes.data, ln.ctypes.data, ex.ctypes.data, dst.ctypes.data, do.ctypes.data,
+                            off.shape[0], align, threads, inject[0], inject[1], ctypes.byref(code))
     return int(idx), int(code.value)
 
 
 def madvise_ranges(lib, base_addr: int, offsets, lengths, advice: int) -> int:
     off = np.ascontiguousarray(offsets, np.int64)
     ln = np.ascontiguousarray(lengths, np.int64)
-    return lib.gg_madvise_ranges(base_addr, _ptr(off), _ptr(ln), off.shape[0], advice)
+    return lib.gg_madvise_ranges(base_addr, off.ctypes.data, ln.ctypes.data, off.shape[0], advice)
 
 
 def publish_i32(lib, flags: np.ndarray, i: int, value: int) -> None:
@@ -112,7 +108,7 @@ def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int, map_pages:
     if f.shape[0] and (int(f.min()) < 0 or int(c.min()) < 1 or int((f + c).max()) > map_pages):
         raise IndexError("mincore_rows: a page range lies outside the mapping")
     out = np.zeros(f.shape[0], np.uint8)
-    lib.gg_mincore_rows(base_addr, _ptr(f), _ptr(c), f.shape[0], page, out.ctypes.data)
+    lib.gg_mincore_rows(base_addr, f.ctypes.data, c.ctypes.data, f.shape[0], page, out.ctypes.data)
     return out.view(bool)
 
 
@@ -172,6 +168,6 @@ class RowsAt:
         """The rows as an array of their own, uint8 [k, row_bytes] (the array they were made of, if any)."""
         if self._whole is not None:
             return self._whole
-        out = np.empty((len(self), self.row_bytes), np.uint8)
+        out = arena.rows(len(self), self.row_bytes)
         self.copy_to(out)
         return out

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import arena
 from .native import RowsAt
 from .planner import ReadPlan, replan, subplan
 
@@ -137,7 +138,7 @@ class _HostBatch:
                     self.out = fresh.array()
                 else:
                     if self.out is None:
-                        self.out = np.empty((U, mplan.row_bytes), np.uint8)
+                        self.out = arena.rows(U, mplan.row_bytes)
                     fresh.copy_to(self.out, pos)
                 admit(pos, fresh)
 
@@ -149,7 +150,7 @@ class _HostBatch:
             else:
                 all_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
             return 0
-        out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
+        out = self.out = arena.rows(U, mplan.row_bytes)
         miss_pos = np.flatnonzero(slots < 0)
         stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
 

@@ -296,3 +296,29 @@ def test_mincore_is_not_trusted_for_files_it_would_lie_about(wide, monkeypatch):
         ids = np.arange(100, 400)
         np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
         assert t.stats()["rows_from_page_cache"] == 0 and not t._readers["direct"]._pc.trusted
+
+
+@pytest.mark.parametrize("native_lib", [True, False])
+def test_the_sample_before_a_copy_sees_evicted_pages(wide, native_lib):
+    """_still_resident (the 8 pages sampled before copying rows the map calls resident), native and by ctypes:
+    True over resident pages, False as soon as a sampled page left the page cache."""
+    path, _ = wide
+    measure.evict_file(path)
+    half = os.path.getsize(path) // 2 // PAGE * PAGE
+    _warm(path, 0, half)
+    off = 3 * PAGE + 100                     # pages are counted from the span's first (page0 = 3)
+    res = Residency(path, off, os.path.getsize(path) - off)
+    try:
+        if native_lib and res._lib is None:
+            pytest.skip("no native helpers (C compiler)")
+        if not native_lib:
+            res._lib = None
+        if not res.trusted or measure.resident_bytes(path) < half:
+            pytest.skip("mincore cannot be trusted here")
+        cold = half // PAGE - 3                  # the span's first page not warmed
+        warm_pages = np.arange(cold, dtype=np.int64)
+        assert res._still_resident(warm_pages)
+        assert not res._still_resident(np.r_[warm_pages[:7], cold + 2])      # the last sample is cold
+        assert not res._still_resident(np.arange(cold, cold + 8, dtype=np.int64))
+    finally:
+        res.close()
