@@ -116,7 +116,10 @@ class HostRows:
         self.index, self.admit_page_cache = cache, admit_page_cache
 
     def all_hits(self, slots: np.ndarray) -> np.ndarray:
-        return self.index.data.take(slots, axis=0)
+        c = self.index
+        out = arena.rows(slots.shape[0], c.row_bytes)
+        RowsAt(c.data.reshape(-1), slots * c.row_bytes, c.row_bytes, c.lib).copy_to(out)
+        return out
 
     def batch(self, unique: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> "_HostBatch":
         return _HostBatch(self.index, unique, slots, rows)
