@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arena
 from .config import Config
 
 log = logging.getLogger(__name__)
@@ -168,6 +167,6 @@ class RowsAt:
         """The rows as an array of their own, uint8 [k, row_bytes] (the array they were made of, if any)."""
         if self._whole is not None:
             return self._whole
-        out = arena.rows(len(self), self.row_bytes)
+        out = np.empty((len(self), self.row_bytes), np.uint8)
         self.copy_to(out)
         return out

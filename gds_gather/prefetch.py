@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from . import arena, forksafe, rowcache
+from . import forksafe, rowcache
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Prefetcher:
             return None
         if len(parts) == 1 and parts[0][2].shape[0] == parts[0][1].shape[0]:
             return have, parts[0][1]                 # one whole prefetch, in order: its bytes as they are
-        out = arena.rows(int(have.sum()), self.table.row_bytes)
+        out = np.empty((int(have.sum()), self.table.row_bytes), np.uint8)
         rank = np.cumsum(have) - 1
         for hit, data, at in parts:
             out[rank[hit]] = data[at]

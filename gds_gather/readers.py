@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from . import arena, forksafe, native, uring
+from . import forksafe, native, uring
 from .config import Config
 from .errors import ReadError
 from .planner import ReadPlan, row_runs, split_extents, windows
@@ -541,7 +541,7 @@ class _FdReader(Reader):
         self.check_file()
         res = self._resident(plan) if self.odirect else None    # looked up once, for the copy or the fetch
         if res is not None and res.all():          # all resident: one copy, no staging; no read: no during_io
-            out = arena.rows(plan.n_unique, plan.row_bytes)
+            out = np.empty((plan.n_unique, plan.row_bytes), np.uint8)
             self._pc.take(plan.unique_rows, plan.row_bytes, out)
             self.bytes_read += out.nbytes
             self.rows_from_page_cache += plan.n_unique
@@ -559,8 +559,7 @@ class _FdReader(Reader):
             if self.odirect:
                 out = native.RowsAt(staging, offsets, plan.row_bytes, self._native).array()
             else:
-                out = arena.rows(plan.n_unique, plan.row_bytes)
-                out.reshape(-1)[:] = staging[:out.size]
+                out = staging[:plan.n_unique * plan.row_bytes].reshape(plan.n_unique, plan.row_bytes).copy()
         if on_rows is None:
             return out
         on_rows(np.arange(plan.n_unique, dtype=np.int64), native.RowsAt.of(out, self._native))

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arena
 from .native import RowsAt
 from .planner import ReadPlan, replan, subplan
 
@@ -116,10 +115,7 @@ class HostRows:
         self.index, self.admit_page_cache = cache, admit_page_cache
 
     def all_hits(self, slots: np.ndarray) -> np.ndarray:
-        c = self.index
-        out = arena.rows(slots.shape[0], c.row_bytes)
-        RowsAt(c.data.reshape(-1), slots * c.row_bytes, c.row_bytes, c.lib).copy_to(out)
-        return out
+        return self.index.data.take(slots, axis=0)
 
     def batch(self, unique: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> "_HostBatch":
         return _HostBatch(self.index, unique, slots, rows)
@@ -141,7 +137,7 @@ class _HostBatch:
                     self.out = fresh.array()
                 else:
                     if self.out is None:
-                        self.out = arena.rows(U, mplan.row_bytes)
+                        self.out = np.empty((U, mplan.row_bytes), np.uint8)
                     fresh.copy_to(self.out, pos)
                 admit(pos, fresh)
 
@@ -153,7 +149,7 @@ class _HostBatch:
             else:
                 all_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
             return 0
-        out = self.out = arena.rows(U, mplan.row_bytes)
+        out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
         miss_pos = np.flatnonzero(slots < 0)
         stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
 

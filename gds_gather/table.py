@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import accel as accel_mod
-from . import arena, arrays, destinations, forksafe, quants, rowcache
+from . import arrays, destinations, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import (BackendError, BadIdsError, HeaderError, StagingCapacityError, TableClosedError,
@@ -200,7 +200,7 @@ class Table:
         self.io["rows_prefetched"] += data.shape[0]
         if have.all():
             return data
-        out = arena.rows(rows.shape[0], self.row_bytes)
+        out = np.empty((rows.shape[0], self.row_bytes), np.uint8)
         out[have] = data
         out[~have] = read_some(rows[~have])
         return out
