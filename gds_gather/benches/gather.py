@@ -43,7 +43,8 @@ TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0
 # ones for whichever backend read it first, whatever the backend (docs/decisions.md), and direct always came first.
 PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts the device's own caches (a virtual "
               "disk's host cache) in the same state for every timed round, and the backends take turns going first "
-              "(round r starts with backend r)")
+              "(round r starts with backend r); resident, which loads and frees the whole table, goes last in every "
+              "round")
 
 
 def _gather_args(p: argparse.ArgumentParser) -> None:
@@ -419,8 +420,11 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
     try:
         if "cold" in passes and not a.no_prime:
             out["prime"] = prime_round(path, backends, a, cfg, trace, stream)
+        turns = [b for b in backends if b != "resident"]      # resident, which loads and frees the whole table,
+        last = [b for b in backends if b == "resident"]       # goes last: no cold pass follows that memory churn
         for rep in range(a.repeat):
-            order = backends[rep % len(backends):] + backends[:rep % len(backends)]
+            k = rep % len(turns) if turns else 0
+            order = turns[k:] + turns[:k] + last
             for b in order:
                 for p, r in backend_passes(path, warm_path, b, a, cfg, trace, stream, passes).items():
                     runs.setdefault((b, p), []).append(r)
