@@ -24,6 +24,7 @@ import logging
 
 import numpy as np
 
+from . import native
 from .errors import ReadError
 from .measure import _libc
 from .storage import close_mapping
@@ -102,7 +103,6 @@ class Residency:
         self._range = _CachestatRange(self.page0 * PAGE, self.vec.shape[0] * PAGE)
         self._stat = _Cachestat()
         self._seen = None               # (nr_cache, nr_evicted) at the last refresh
-        from . import native
         self._lib = native.library(config)[0]     # None: no C compiler, the map for every batch
         self._none_at = -float("inf")       # exact path: when cachestat last said (almost) nothing is cached
         self._none = False
@@ -202,7 +202,6 @@ class Residency:
     def _rows_exact(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
         """rows_resident for a few rows: mincore of each row's pages now (no map, nothing stale). cachestat, asked
         at most every `interval`, skips it while (almost) nothing of the span is cached (a cold file)."""
-        from . import native
         now = time.perf_counter()
         if now - self._none_at >= self.interval:
             st = self.cached()
@@ -231,7 +230,6 @@ class Residency:
         the copy never turns into one major fault per row."""
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
         if self._lib is not None:       # one native call (a ctypes mincore is ~15 us; 8 were 0.17 ms a batch)
-            from . import native
             return bool(native.mincore_rows(self._lib, self._base.ctypes.data, pick + self.page0,
                                             np.ones(pick.shape[0], np.int64), PAGE,
                                             -(-len(self._mm) // PAGE)).all())
@@ -254,7 +252,6 @@ class Residency:
             # mode="clip" (the rows are checked): with out= and "raise", numpy gathers into a temporary first
             np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
             return
-        from . import native
         from .planner import row_runs
         offs, lens, dst = row_runs(rows, row_bytes, self.data_offset)
         threads = max(1, min(PREAD_THREADS, os.cpu_count() or 1, offs.shape[0] // PREAD_PER_THREAD))

@@ -14,11 +14,10 @@ then each part's bytes into slots reserved for them (PENDING until then: no hit,
 
 Everything is per batch: the index is an open-addressing hash table in numpy arrays (linear probing), probed by C
 loops where the native helpers build and by vectorized probe rounds otherwise; the sketch and the eviction sample
-are numpy. Row bytes live in one
-page-aligned anonymous mapping (pinnable for the GPU). The whole footprint (rows, index, sketch, slot table)
-stays within the budget. A cache belongs to one file identity (device, inode, size, mtime): `cache_for` keys
-caches by it, so a new Table on an unchanged file finds the rows an earlier one cached, and a changed file
-never meets a stale row (the table refuses it and its cache is dropped).
+are numpy. Row bytes live in one page-aligned anonymous mapping (pinnable for the GPU). The whole footprint (rows,
+index, sketch, slot table) stays within the budget. A cache belongs to one file identity (device, inode, size,
+mtime): `cache_for` keys caches by it, so a new Table on an unchanged file finds the rows an earlier one cached, and
+a changed file never meets a stale row (the table refuses it and its cache is dropped).
 """
 from __future__ import annotations
 

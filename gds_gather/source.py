@@ -14,7 +14,8 @@ Host hits are copied while the misses' reads are in flight (reader.overlaps_io: 
 bookkeeping for the misses (reserve); a large read hands its first rows over while the rest is read (on_rows,
 readers.SPLIT_MIN), copied from the reader's staging straight to the result and to their reserved slots (fill).
 The host cache is shared by every Table of a file and its lock is not held while the hits are copied: a hit
-evicted meanwhile is read again (the copy checks each slot still holds its row). A device pool is lent to one holder at a time (devcache.acquire).
+evicted meanwhile is read again (the copy checks each slot still holds its row). A device pool is lent to one
+holder at a time (devcache.acquire).
 """
 from __future__ import annotations
 
