@@ -45,8 +45,8 @@ class Config:
     queue_depth_max: int = 512  # GDS_GATHER_QUEUE_DEPTH_MAX: wide rows: QD = queue_depth x (window / 4 KiB), up to this
     vllm: int = 0               # GDS_GATHER_VLLM: 1 = the vLLM plugin serves Gemma 4 / 3n PLE rows from disk
     vllm_table: Path | None = None   # GDS_GATHER_VLLM_TABLE: the plugin's table file (default: the checkpoint)
-    prefetch: int = 0           # GDS_GATHER_PREFETCH: 1 = Table.prefetch(ids) reads the next batch ahead (prefetch.py);
-    #                             0 = it does nothing (the default: slower on the development VM, docs/decisions.md)
+    prefetch: int = 1           # GDS_GATHER_PREFETCH: 1 = Table.prefetch(ids) reads the next batch ahead (prefetch.py);
+    #                             0 = it does nothing
 
     def __post_init__(self) -> None:
         # every message names the variable (and the field, for Config(...) callers)

@@ -386,7 +386,7 @@ class CpuPrefill:
         self.stats = Stats()
         self.how = f"{self.backend} (host)"
         table.open_reader(self.backend)      # engine start-up before the clock (and residency learned meanwhile)
-        table.prefetch([], self.backend)     # ... and the prefetch readers
+        table.prefetch([], self.backend)     # ... and the prefetch's ring
 
     def per_layer_rows(self, rows_f32: np.ndarray, n: int):
         """The trunk's per-layer rows from the kernel-equivalent layout (family.kernel_rows)."""

@@ -1,153 +1,243 @@
 """Reads of a coming batch's missing rows, in flight while the caller reads and uses the current one.
 
-A caller that knows its next batch (a prefill's next ubatch, a benchmark's next gather) calls
-`Table.prefetch(ids)` before it reads the current batch. The rows of `ids` that the row cache lacks (and that no
-earlier prefetch is reading) are read on a thread by a reader of their own (its own io_uring and staging), through
-the row cache (read_through: counted, and offered to the cache), and kept until a read asks for them; a read that
-needs them waits for that prefetch and takes them from it. So the device works on the next batch while the
-current one's rows are copied out and admitted, and two batches' reads overlap where one alone leaves the device
-idle (its last requests). llama.cpp's readahead issues its hints from set_input the same way. Only backends with a
-row cache prefetch (rowcache.CACHED_BACKENDS); for the others prefetch does nothing.
+A caller that knows its next batch (a prefill's next ubatch, a benchmark's next gather) hands its ids to
+`Table.prefetch(ids)` before it reads the current batch. At the start of that read (or, when the read has rows of
+its own to fetch, as soon as those are queued, so the current batch does not wait behind the next one) the rows the
+row cache lacks get slots reserved in it (pending: a miss for every reader, never read twice) and their O_DIRECT
+windows are queued on a ring of the prefetch's own, with no thread. The next read collects them first, their bytes
+into their slots, so it finds them as row-cache hits; meanwhile the device has read them while the current batch's
+rows were copied out and the caller used them, as llama.cpp's readahead issues its hints from set_input. Only the
+engine's O_DIRECT reader on io_uring prefetches, with a row cache (rowcache.CACHED_BACKENDS), and not while the
+page cache serves the file or for a next batch wider than MAX_WINDOWS; otherwise prefetch does nothing.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import forksafe, rowcache
+from . import forksafe, native, rowcache, uring
+from .native import RowsAt
+from .planner import ReadPlan, plan_unique
+from .readers import Staging
 
 log = logging.getLogger(__name__)
 
-DEPTH = 2       # prefetches in flight at once, each on its own reader
-KEEP = 4        # finished prefetches kept for reads to take their rows (older ones are dropped)
-COUNTED = ("rows_from_device", "rows_from_page_cache", "rows_buffered")
+DEPTH = 2               # jobs in flight at once: the one the next read collects and the one it starts
+RING_DEPTH = 4096
+MAX_WINDOWS = RING_DEPTH // DEPTH    # the most windows of one job; a wider next batch is not prefetched
+IO_KEYS = ("rows_prefetched", "rows_from_device", "bytes_requested")
+_TAGS = itertools.count(1)
+
+
+def member(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """bool [len(a)]: which of the sorted rows a are in the sorted rows b."""
+    if not a.shape[0] or not b.shape[0]:
+        return np.zeros(a.shape[0], bool)
+    at = np.minimum(np.searchsorted(b, a), b.shape[0] - 1)
+    return b[at] == a
+
+
+@dataclass
+class Job:
+    tag: int
+    plan: ReadPlan                  # the windows of the rows it reads, in staging
+    cache: rowcache.RowCache        # the cache its slots are reserved in (a later cache_for may be another)
+    reservation: rowcache.Reservation
+    staging: Staging
+    expect: np.ndarray              # bytes each window holds (less past the end of the file)
 
 
 class Prefetcher:
-    """The prefetches of one Table and backend: up to DEPTH in flight, then up to KEEP finished ones."""
+    """The prefetches of one Table and backend, read through `reader`'s file (the table's own O_DIRECT reader: its
+    file check and its page-cache residency too) in windows planned as the table plans them."""
 
-    def __init__(self, table, new_reader):
-        self.table = table
-        self._new_reader = new_reader
-        self.readers: list = []
-        self.jobs: list[tuple[np.ndarray, Future]] = []     # (sorted rows being read, its future), oldest first
-        self.done: list = []     # (sorted rows, their bytes, bool: not taken yet) of finished ones, oldest first
-        self.io = dict.fromkeys(COUNTED, 0)                   # what finished prefetches read (Table.stats adds it)
-        self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="gds-gather-prefetch")
-        self.turn = 0
+    def __init__(self, table, reader):
+        self.table, self.reader = table, reader
+        self.ring = None
+        self.noted = np.empty(0, np.int64)      # rows handed over and not started yet
+        self.jobs: list[Job] = []               # in flight, oldest first
+        self.free: list[Staging] = []
+        self.io = dict.fromkeys(IO_KEYS, 0)
+        self.lib = native.library(table.config)[0]
+        self.lock = threading.RLock()
         forksafe.track(self, "lock")
 
+    @property
+    def usable(self) -> bool:
+        """Only O_DIRECT windows read through io_uring can be left in flight without a thread."""
+        return bool(self.reader.odirect and self.reader.ring is not None)
+
     def open(self) -> None:
-        """The readers and threads, made now (before a caller's clock starts) rather than by the first prefetch."""
-        if len(self.readers) == DEPTH:
-            return
-        while len(self.readers) < DEPTH:
-            self.readers.append(self._new_reader())
-        ready = threading.Barrier(DEPTH + 1)     # the pool's threads start now, not with the first prefetches
-        for _ in range(DEPTH):
-            self.pool.submit(ready.wait, 10)
-        ready.wait(10)
+        """The ring and the staging buffers, made now (before a caller's clock starts) rather than by the first
+        prefetch."""
+        with self.lock:
+            self._after_fork()
+            if self.ring is None:
+                self.ring = uring.Ring(RING_DEPTH)
+                self.free = [Staging() for _ in range(DEPTH)]
 
-    def start(self, rows: np.ndarray) -> int:
-        """Start reading those of `rows` (sorted, unique) that are neither cached, being read nor kept; returns how
-        many. Never waits for I/O: with DEPTH prefetches in flight it starts nothing (the read reads them)."""
+    def note(self, rows: np.ndarray) -> int:
+        """The next batch's rows (sorted, unique); returns how many of them will be read ahead: those the row
+        cache lacks now; none where they are more than MAX_WINDOWS, or where the last read took rows from the page
+        cache. Rows noted before and not started yet are started first."""
         cache = rowcache.cache_for(self.table)
-        if cache is None or not rows.shape[0]:
-            return 0
-        with cache.lock:
-            missing = rows[cache.cached(rows) < 0]
-        self.open()
-        res = self.readers[0].resident(missing, self.table.row_bytes) if missing.shape[0] else None
-        if res is not None:         # the page cache's rows: the read copies them (no I/O to overlap)
-            missing = missing[~res]
+        pc = self.reader.last_from_page_cache
+        if cache is None or (pc is not None and pc.any()):     # the page cache serves this file: nothing to
+            return 0                                            # overlap, only the look-ups to pay
         with self.lock:
-            for r in [r for r, _ in self.jobs] + [r[left] for r, _, left in self.done]:
-                if missing.shape[0] and r.shape[0]:
-                    missing = missing[~np.isin(missing, r, assume_unique=True)]
-            if not missing.shape[0] or sum(not f.done() for _, f in self.jobs) >= DEPTH:
-                return 0
-            reader = self.readers[self.turn % DEPTH]
-            self.turn += 1
-            self.jobs.append((missing, self.pool.submit(self._read, reader, missing)))
-        return int(missing.shape[0])
+            self.open()
+            if self.noted.shape[0]:
+                self._start(self.noted, np.empty(0, np.int64))
+            with cache.lock:
+                missing = rows[cache.cached(rows) < 0]
+            if missing.shape[0] > MAX_WINDOWS:   # a batch this wide keeps the device busy by itself: prefetching
+                return 0                         # it only reorders the device's work (docs/decisions.md)
+            self.noted = missing
+            return int(missing.shape[0])
 
-    def _read(self, reader, rows: np.ndarray):
-        io = dict.fromkeys(rowcache.IO_COUNTERS, 0)
-        data = rowcache.read_through(self.table, reader, self.table.plan(rows), io=io)
-        return data, io
-
-    def take(self, rows: np.ndarray):
-        """The prefetched bytes of any of `rows` (sorted, unique), waiting for the prefetches reading them:
-        (bool [len(rows)]: rows prefetched, uint8 [k, row_bytes]: their bytes in order), or None. A row is taken
-        once. A prefetch that failed is logged and forgotten: the read that needs its rows reads them itself (and
-        meets the error itself if it persists)."""
+    def around(self, rows: np.ndarray, read):
+        """read(also): the table's read of the sorted unique `rows` through the row cache, with the prefetches'
+        part: the noted rows (less `rows`) are started before it where every one of `rows` is cached or being
+        read, else by also() once its own reads are queued (source.through), or after it; then the jobs holding
+        any of `rows` are collected, so the read finds those rows in the cache."""
         with self.lock:
-            self._collect(rows)
-            if not self.done or not rows.shape[0]:
-                return None
-            have = np.zeros(rows.shape[0], bool)
-            parts = []                               # (positions in rows, that entry's bytes at them)
-            for r, data, left in self.done:
-                pos = np.searchsorted(r, rows)
-                pos_c = np.minimum(pos, r.shape[0] - 1)
-                hit = (pos < r.shape[0]) & (r[pos_c] == rows) & left[pos_c] & ~have
-                if hit.any():
-                    have |= hit
-                    at = pos[hit]
-                    left[at] = False
-                    parts.append((hit, data, at))
-            self.done = [d for d in self.done if d[2].any()][-KEEP:]
-        if not parts:
-            return None
-        if len(parts) == 1 and parts[0][2].shape[0] == parts[0][1].shape[0]:
-            return have, parts[0][1]                 # one whole prefetch, in order: its bytes as they are
-        out = np.empty((int(have.sum()), self.table.row_bytes), np.uint8)
-        rank = np.cumsum(have) - 1
-        for hit, data, at in parts:
-            out[rank[hit]] = data[at]
-        return have, out
-
-    def _collect(self, rows: np.ndarray) -> None:
-        """Wait for the in-flight prefetches of any of `rows`; move every finished one to self.done (under lock)."""
-        keep = []
-        for r, f in self.jobs:
-            need = (r.shape[0] and rows.shape[0] and r[0] <= rows[-1] and rows[0] <= r[-1]
-                    and np.isin(rows, r, assume_unique=True).any())
-            if not (need or f.done()):
-                keep.append((r, f))
-                continue
-            try:
-                data, io = f.result()
-            except Exception as e:
-                log.warning("%s: a prefetch failed (%s: %s); its rows are read when needed",
-                            self.table.path.name, type(e).__name__, e)
-                continue
-            for k in COUNTED:
-                self.io[k] += io[k]
-            self.done.append((r, data, np.ones(r.shape[0], bool)))
-        self.jobs = keep
-
-    def counts(self) -> dict:
-        """What the finished prefetches read: rows_from_device, rows_from_page_cache, rows_buffered and
-        bytes_requested (their readers')."""
-        with self.lock:
-            self._collect(np.empty(0, np.int64))
-            out = dict(self.io)
-            out["bytes_requested"] = sum(r.bytes_read for r in self.readers)
+            self._after_fork()
+            cache = rowcache.cache_for(self.table)
+            also = None
+            if self.noted.shape[0] and cache is not None:
+                with cache.lock:
+                    ready = bool((cache.cached(rows) >= 0).all())
+                if ready:
+                    self._start(self.noted, rows)
+                else:
+                    also = _Once(lambda: self._start(self.noted, rows), self.lock)
+            for job in [j for j in self.jobs if member(rows, j.plan.unique_rows).any()]:
+                self._finish(job)
+        out = read(also)
+        if also is not None:
+            also()
         return out
 
-    def close(self) -> None:
+    def _after_fork(self) -> None:
+        """In a forked child the ring and its reads are the parent's: forget them (their slots come back by
+        themselves: rowcache's reclaim of reservations nobody holds)."""
+        if self.ring is not None and self.ring.foreign:
+            self.ring, self.jobs, self.free, self.noted = None, [], [], np.empty(0, np.int64)
+
+    def _start(self, rows: np.ndarray, exclude: np.ndarray) -> None:
+        """Reserve slots for those of `rows` that are neither in `exclude`, cached, being read nor in the page
+        cache, and queue their windows (under self.lock)."""
+        self.noted = np.empty(0, np.int64)
+        cache = rowcache.cache_for(self.table)
+        rows = rows[~member(rows, exclude)]
+        if cache is None or not rows.shape[0] or self.ring is None:
+            return
+        while len(self.jobs) >= DEPTH:
+            self._finish(self.jobs[0])
+        with cache.lock:
+            rows = rows[cache.cached(rows) < 0]
+        res = self.reader.resident(rows, self.table.row_bytes) if rows.shape[0] else None
+        if res is not None:         # the page cache's rows: the read copies them (no I/O to overlap)
+            rows = rows[~res]
+        if not rows.shape[0]:
+            return
+        plan = self._plan(rows)
+        if plan.n_windows > MAX_WINDOWS:
+            return
+        with cache.lock:
+            r = cache.reserve(plan.unique_rows)
+        if not (r.slots >= 0).all():    # (a cache too small for them all: only the rows given a slot)
+            kept = r.slots >= 0
+            with cache.lock:
+                cache.settle(r)
+                r = cache.reserve(plan.unique_rows[kept]) if kept.any() else r
+            if not kept.any():
+                return
+            plan = self._plan(plan.unique_rows[kept])
+        staging = self.free.pop()
         try:
-            with self.lock:
-                jobs, self.jobs, self.done = self.jobs, [], []
-            for _, f in jobs:
-                f.exception()           # waits for the read; its outcome no longer matters
+            buf = staging.ensure(plan.window_bytes)
+            expect = np.minimum(plan.win_offsets + plan.win_lengths, self.reader.file_size) - plan.win_offsets
+            tag = next(_TAGS) % (1 << 31) or next(_TAGS)
+            self.ring.start(tag, self.reader.fd, plan.win_offsets, plan.win_lengths,
+                            np.uint64(buf.ctypes.data) + plan.win_staging.astype(np.uint64), expect)
+        except BaseException as e:
+            with cache.lock:
+                cache.settle(r)
+            self.free.append(staging)
+            if not isinstance(e, Exception):
+                raise
+            log.warning("%s: a prefetch could not start (%s: %s); its rows are read when needed",
+                        self.table.path.name, type(e).__name__, e)
+            return
+        self.io["bytes_requested"] += int(expect.sum())
+        self.jobs.append(Job(tag, plan, cache, r, staging, expect))
+
+    def _plan(self, rows: np.ndarray) -> ReadPlan:
+        c, t = self.table.config, self.table
+        return plan_unique(rows, row_bytes=t.row_bytes, data_offset=t.data_offset, align=t.align,
+                           max_gap=c.max_gap, max_window=c.max_window, max_waste=c.max_waste)
+
+    def _finish(self, job: Job) -> None:
+        """Wait for a job's reads; its rows into their slots where every read was whole and the file is unchanged,
+        else its slots back (its rows are read when needed; a changed file is the read's to report)."""
+        self.jobs.remove(job)
+        cache, got, ok, why = job.cache, 0, False, ""
+        try:
+            ok = self.ring.finish(job.tag)
+            if ok:
+                self.reader.check_file()
+            else:
+                why = "its reads came back short or failed"
+        except Exception as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
         finally:
-            self.pool.shutdown(wait=True)
-            for r in self.readers:
-                r.close()
-            self.readers = []
+            with cache.lock:
+                if ok:
+                    plan = job.plan
+                    got = int(np.count_nonzero(cache.fill(
+                        job.reservation, np.arange(plan.n_unique),
+                        RowsAt(job.staging.buf, plan.row_staging, plan.row_bytes, self.lib)) >= 0))
+                cache.settle(job.reservation)
+            self.free.append(job.staging)
+        self.io["rows_prefetched"] += got       # (rows whose cache was emptied or closed meanwhile: not counted)
+        self.io["rows_from_device"] += got
+        if why:
+            log.warning("%s: a prefetch failed (%s); its rows are read when needed", self.table.path.name, why)
+
+    def counts(self) -> dict:
+        """What the prefetches read: rows_prefetched (= their rows_from_device) and bytes_requested."""
+        with self.lock:
+            return dict(self.io)
+
+    def close(self) -> None:
+        with self.lock:
+            jobs, self.jobs, self.noted = self.jobs, [], np.empty(0, np.int64)
+            try:
+                if self.ring is not None:
+                    self.ring.close()           # reaps every read in flight: none lands in a staging after this
+            finally:
+                self.ring = None
+                for job in jobs:
+                    with job.cache.lock:
+                        job.cache.settle(job.reservation)
+                for s in self.free + [j.staging for j in jobs]:
+                    s.close()
+                self.free = []
+
+
+class _Once:
+    """A callable that runs fn once, under lock."""
+
+    def __init__(self, fn, lock):
+        self.fn, self.lock = fn, lock
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            with self.lock:
+                fn()

@@ -451,6 +451,8 @@ class RowCache:
         """Give back the slots of reservations that died unsettled (an exception between a reservation and its
         settle, e.g. KeyboardInterrupt while waiting for the lock): pending slots no live reservation owns."""
         owned = [x.slots[x.slots >= 0] for x in list(self._live) if x.epoch == self.epoch]
+        if sum(o.shape[0] for o in owned) == self.pending:     # all owned (a prefetch holds some between calls)
+            return
         pend = np.flatnonzero(self.slot_row[:self.n_used] <= PENDING)
         lost = np.setdiff1d(pend, np.concatenate(owned)) if owned else pend
         if lost.size:
@@ -651,27 +653,31 @@ def drop_all() -> None:
             _CACHES.popitem()[1].close()
 
 
-def read_unique(table, reader, rows: np.ndarray) -> np.ndarray:
+def read_unique(table, reader, rows: np.ndarray, also=None) -> np.ndarray:
     """read_through for sorted unique row ids, planned only where the row cache lacks some (a decode step's one or
     few tokens: planning one row costs more than the whole hit path; docs/decisions.md). Rows the page cache
     held are admitted too: for a few rows the page-cache path's per-call cost, not the I/O, is what a hit saves."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
     if cache is None or not rows.shape[0]:
-        return read_through(table, reader, table.plan(rows))
-    return source.through(table, reader, None, source.HostRows(cache, admit_page_cache=True), rows=rows)
+        return read_through(table, reader, table.plan(rows), also=also)
+    return source.through(table, reader, None, source.HostRows(cache, admit_page_cache=True), rows=rows,
+                          also=also)
 
 
-def read_through(table, reader, plan, io: dict | None = None) -> np.ndarray:
+def read_through(table, reader, plan, io: dict | None = None, also=None) -> np.ndarray:
     """The plan's unique rows (uint8 [U, row_bytes]) through this file's row cache (source.through with host
-    storage), or straight from `reader` for a backend without one. Counts into io (default table.io)."""
+    storage), or straight from `reader` for a backend without one. Counts into io (default table.io); also():
+    see source.through (here without a cache: after the read)."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
     if cache is None or plan.n_unique == 0:
         io = table.io if io is None else io
         pc0 = reader.rows_from_page_cache
         out = reader.read(plan) if plan.n_unique else np.empty((0, plan.row_bytes), np.uint8)
         source.count_reader(io, reader, pc0, plan.n_unique)
+        if also is not None:
+            also()
         return out
-    return source.through(table, reader, plan, source.HostRows(cache), io=io)
+    return source.through(table, reader, plan, source.HostRows(cache), io=io, also=also)
 
 
 IO_COUNTERS = ("rows_from_cache", "rows_from_page_cache", "rows_from_device", "rows_buffered", "cache_hits",

@@ -28,10 +28,12 @@ from .planner import ReadPlan, replan, subplan
 
 
 def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | None = None,
-            io: dict | None = None):
+            io: dict | None = None, also=None):
     """The unique rows of `plan` (or sorted unique `rows`, planned only if some miss: a decode step's all-hit
     look-up costs less than planning one row) through the cache of `store`: hits from it, misses read by `reader`
-    and offered to it, counted into `io` (default table.io; see Table.stats)."""
+    and offered to it, counted into `io` (default table.io; see Table.stats). also(): called once, when this
+    batch's reads are queued (with the cache's bookkeeping for them), or after the look-up when it reads nothing
+    (prefetch.py)."""
     io = table.io if io is None else io
     index = store.index
     unique = plan.unique_rows if plan is not None else np.asarray(rows, np.int64)
@@ -49,6 +51,8 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     if nh == U:                 # no read follows (a read checks the file): hits must not outlive a change
         reader.check_file()
         io["rows_from_cache"] += nh
+        if also is not None:
+            also()
         return early
     missed = unique[~hit]
     protect = slots[hit]
@@ -64,13 +68,16 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     def reserve():
         """Count the look-up and reserve slots for the misses the storage admits (not the rows this read copies
         from the page cache unless store.admit_page_cache: reader.last_from_page_cache, known before the reads
-        are in flight): the cache's bookkeeping, done once while the reads are in flight where the reader allows."""
+        are in flight): the cache's bookkeeping, done once while the reads are in flight where the reader allows;
+        then also()."""
         if not held:
             pc = None if store.admit_page_cache else reader.last_from_page_cache
             with index.lock:
                 index.count(unique, slots)
                 held.append(index.reserve(missed, protect=protect, gen=g,
                                           skip=pc if pc is not None and pc.shape[0] == missed.shape[0] else None))
+            if also is not None:
+                also()
         return held[0]
 
     def admit(pos: np.ndarray, fresh) -> np.ndarray:

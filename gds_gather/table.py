@@ -17,7 +17,7 @@ from .config import Config
 from .errors import (BackendError, BadIdsError, HeaderError, StagingCapacityError, TableClosedError,
                      TruncatedFileError, UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
-from .planner import ReadPlan, plan_rows, realign, replan
+from .planner import ReadPlan, plan_rows, realign
 from .prefetch import Prefetcher
 from .readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
 from .storage import filesystem
@@ -162,48 +162,37 @@ class Table:
 
     @_locked
     def prefetch(self, ids, backend: str = "auto") -> int:
-        """Start reading the rows of `ids` that the row cache lacks, in the background, and return at once: a later
-        read of them (the next batch's gather) finds them cached, and the device reads them while the caller
-        reads and uses the current batch (prefetch.py). Returns the rows it started reading: 0 for backends
-        without a row cache (the baselines), when the cache or Config.prefetch is off, or with prefetch.DEPTH
-        prefetches in flight."""
+        """Hand over the next batch's ids before reading the current one, and return at once: the rows the row
+        cache lacks are read while this table reads the current batch and the caller uses it, and the next read
+        finds them cached (prefetch.py). Returns how many rows that is now: 0 for backends without a row cache
+        (the baselines), when the cache or Config.prefetch is off, or where the reader is not O_DIRECT on
+        io_uring."""
         name, _ = resolve(backend, self.config)
         if self.closed:
             raise TableClosedError(f"table {self.path} is closed")
-        if name not in rowcache.CACHED_BACKENDS or name not in HOST_READERS or not self.config.prefetch:
+        if name not in rowcache.CACHED_BACKENDS or name not in HOST_READERS or not self.config.prefetch \
+                or rowcache.cache_for(self) is None:
             return 0
         ahead = self._ahead.get(name)
         if ahead is None:
-            self._reader(name)          # the table's own reader first: prefetch readers share its start-up facts
-            ahead = self._ahead[name] = Prefetcher(self, lambda: HOST_READERS[name](
-                self.path, self.data_offset, self.n_bytes, config=self.config, file_id=self.file_id))
+            ahead = self._ahead[name] = Prefetcher(self, self._reader(name))
+        if not ahead.usable:
+            return 0
         ids = np.asarray(ids)
         if ids.size == 0:
-            ahead.open()                # (an empty prefetch opens its readers: start-up before a caller's clock)
+            ahead.open()                # (an empty prefetch makes its ring: start-up before a caller's clock)
             return 0
         rows = np.sort(ids.ravel())      # (np.unique's first call imports numpy.ma: 38 ms on the development VM)
         rows = rows[np.r_[True, rows[1:] != rows[:-1]]]
         if not np.issubdtype(rows.dtype, np.integer) or int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows:
             raise BadIdsError(f"{self.path}: prefetch takes integer row ids in [0, {self.n_rows})")
-        return ahead.start(rows.astype(np.int64, copy=False))
+        return ahead.note(rows.astype(np.int64, copy=False))
 
-    def _through(self, reader, rows: np.ndarray, read_all, read_some) -> np.ndarray:
-        """The bytes of sorted unique `rows`: those a prefetch holds taken from it (counted as rows_prefetched: the
-        prefetch counted where it read them from), the rest by read_some(rows); read_all() where none is held."""
-        got = None
-        for ahead in self._ahead.values():
-            got = got or ahead.take(rows)
-        if got is None:
-            return read_all()
-        reader.check_file()         # prefetched rows must not outlive a change of the file (as the cache's hits)
-        have, data = got
-        self.io["rows_prefetched"] += data.shape[0]
-        if have.all():
-            return data
-        out = np.empty((rows.shape[0], self.row_bytes), np.uint8)
-        out[have] = data
-        out[~have] = read_some(rows[~have])
-        return out
+    def _through(self, reader, rows: np.ndarray, read) -> np.ndarray:
+        """read(also) of the sorted unique `rows`, around which this backend's prefetches run (Prefetcher.around);
+        read(None) where there are none."""
+        ahead = self._ahead.get(reader.name)
+        return read(None) if ahead is None else ahead.around(rows, read)
 
     def _reader(self, backend: str) -> Reader:
         if self.closed:
@@ -347,8 +336,9 @@ class Table:
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
-        rows_buffered (a buffered reader's: page cache or device, it cannot tell), rows_prefetched (taken from a
-        prefetch(): rows_from_device/rows_from_page_cache count them where the prefetch read them), cache_hits,
+        rows_buffered (a buffered reader's: page cache or device, it cannot tell), rows_prefetched (read ahead by
+        prefetch() into the row cache, a part of rows_from_device; the read that wants them finds them there as
+        cache hits: the sources add up to the rows read plus these), cache_hits,
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
         caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
         st = rowcache.stats(self, [d.cache for d in self._dests.values() if d.cache is not None],
@@ -369,9 +359,8 @@ class Table:
                               f"offset {plan.data_offset}, up to row {int(plan.unique_rows[-1])}); this table has "
                               f"{self.n_rows} rows of {self.row_bytes} B at offset {self.data_offset}: use t.plan(ids)")
         reader = self._reader(backend)
-        return self._through(reader, plan.unique_rows, lambda: rowcache.read_through(self, reader, plan),
-                             lambda rest: rowcache.read_through(self, reader, replan(plan, self.config, rest,
-                                                                                     self.align)))
+        return self._through(reader, plan.unique_rows, lambda also: rowcache.read_through(self, reader, plan,
+                                                                                          also=also))
 
     @_locked
     def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
@@ -382,8 +371,7 @@ class Table:
                               or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
             raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
         reader = self._reader(backend)
-        return self._through(reader, rows, lambda: rowcache.read_unique(self, reader, rows),
-                             lambda rest: rowcache.read_unique(self, reader, rest))   # (no plan of cached rows)
+        return self._through(reader, rows, lambda also: rowcache.read_unique(self, reader, rows, also=also))
 
     @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):

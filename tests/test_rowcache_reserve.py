@@ -115,6 +115,20 @@ def test_a_reservation_lost_unsettled_is_given_back_at_the_next_one():
         assert (c.data[s] == np.array([[4], [6], [4]], np.uint8)).all()
 
 
+def test_a_lost_reservation_is_given_back_beside_one_held_across_calls():
+    """A prefetch holds its reservation between calls: the next reservation does not scan the slots while every
+    pending one has its owner, and still takes back those of a reservation lost meanwhile."""
+    import gc
+    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    with c.lock:
+        held = c.reserve(np.array([5], np.int64))
+        c.reserve(np.array([1, 2], np.int64))      # lost
+        gc.collect()
+        c.reserve(np.array([3], np.int64))
+        assert c.pending == 2 and (c.index.get(np.array([1, 2], np.int64)) == -1).all()
+        assert held.slots[0] >= 0 and c.index.get(np.array([5], np.int64))[0] == held.slots[0]
+
+
 def test_a_cache_emptied_between_reserve_and_fill_takes_no_bytes():
     c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
     with c.lock:

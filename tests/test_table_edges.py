@@ -1,7 +1,6 @@
 """Table's remaining edges against the file's bytes and gguf's dequantization: torch CPU ids, read_unique's checks
 and its wait for a device gather's stream (HostAccel), the gds-or-direct timing on HostAccel's cuFile stand-in,
-a tensor running past the end of the file bfloat16 numpy output without
-ml_dtypes, a prefetch that covers a whole read."""
+a tensor running past the end of the file, bfloat16 numpy output without ml_dtypes."""
 from __future__ import annotations
 
 import os

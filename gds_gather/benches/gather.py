@@ -84,9 +84,10 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--no-prime", action="store_true",
                    help="no untimed priming round of cold passes before the timed rounds (see PRIME_NOTE)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="hand direct the next batch's ids before each read (Table.prefetch with Config.prefetch=1, "
-                        "as a prefill does); default: every backend reads one batch at a time")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="direct reads one batch at a time as the baselines do (Config.prefetch=0); by default each "
+                        "pass hands the next batch's ids to Table.prefetch before a read, as a prefill does, and "
+                        "direct reads them while it reads the current one")
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -136,7 +137,7 @@ def _fetch(t, b: str, plan, stream) -> None:
 
 def _open_for(path, cfg, b: str, stream):
     """A fresh table whose reader for `b` is open (fd, ring, mapping; resident: loaded; the engine's prefetch
-    readers) outside the timing."""
+    ring) outside the timing."""
     import gds_gather as gg
     t = gg.open_table(path, config=cfg)
     _fetch(t, b, t.plan(np.zeros(1, np.int64)), stream)
@@ -587,7 +588,7 @@ def run_gather(a, cfg: Config) -> dict:
     if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
         raise ValueError("sizes, --repeat and --qd must be >= 1")
     # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
-    cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=1 if a.prefetch else None)
+    cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=0 if a.no_prefetch else None)
     cfg, cache_note = apply_cache_option(cfg, a.cache)
     made = data_dir(a, cfg)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else default_backends(cfg)
@@ -606,8 +607,9 @@ def run_gather(a, cfg: Config) -> dict:
             else:
                 raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
     facts = bench_facts(tables[0][1], cfg)
-    ahead = ("direct is handed the next batch's ids before each read (Table.prefetch, Config.prefetch=1)"
-             if cfg.prefetch else "")
+    ahead = ("direct is handed the next batch's ids before each read and reads them while it reads the current "
+             "batch (Table.prefetch, Config.prefetch=1; the baselines read one batch at a time)" if cfg.prefetch
+             else "direct reads one batch at a time (Config.prefetch=0)")
     notes = [cold_method(a), cache_note] + ([] if a.no_prime else [PRIME_NOTE]) + ([ahead] if ahead else [])
     print_header("gather", facts, notes, quick=a.quick)
     print(fit(f"# backends {', '.join(backends)}; QD {a.qd}; a gather = one row id (ns/gather = 1e9 / median "
