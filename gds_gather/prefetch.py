@@ -130,11 +130,15 @@ class Prefetcher:
 
     def _start(self, rows: np.ndarray, exclude: np.ndarray) -> None:
         """Reserve slots for those of `rows` that are neither in `exclude`, cached, being read nor in the page
-        cache, and queue their windows (under self.lock)."""
+        cache, and queue their windows (under self.lock); nothing where the last read took rows from the page
+        cache (the page cache serves this file: its residency is not worth asking about)."""
         self.noted = np.empty(0, np.int64)
         cache = rowcache.cache_for(self.table)
+        pc = self.reader.last_from_page_cache    # (the read that starts them has set it: no residency question)
+        if cache is None or self.ring is None or (pc is not None and pc.any()):
+            return
         rows = rows[~member(rows, exclude)]
-        if cache is None or not rows.shape[0] or self.ring is None:
+        if not rows.shape[0]:
             return
         while len(self.jobs) >= DEPTH:
             self._finish(self.jobs[0])
