@@ -82,12 +82,11 @@ class Prefetcher:
 
     def note(self, rows: np.ndarray) -> int:
         """The next batch's rows (sorted, unique); returns how many of them will be read ahead: those the row
-        cache lacks now; none where they are more than MAX_WINDOWS, or where the last read took rows from the page
-        cache. Rows noted before and not started yet are started first."""
+        cache lacks now; none where they are more than MAX_WINDOWS, or while the page cache serves the file (the
+        last read took most of its rows from it). Rows noted before and not started yet are started first."""
         cache = rowcache.cache_for(self.table)
-        pc = self.reader.last_from_page_cache
-        if cache is None or (pc is not None and pc.any()):     # the page cache serves this file: nothing to
-            return 0                                            # overlap, only the look-ups to pay
+        if cache is None or self._page_cache_serves():
+            return 0
         with self.lock:
             self.open()
             if self.noted.shape[0]:
@@ -122,6 +121,13 @@ class Prefetcher:
             also()
         return out
 
+    def _page_cache_serves(self) -> bool:
+        """The last read took most of its rows from the page cache: nothing to overlap, only look-ups to pay (a
+        new process on a warm file asking about residency in its first batch). The read that starts a prefetch
+        has set it already, so this asks nothing of the page cache."""
+        pc = self.reader.last_from_page_cache
+        return pc is not None and pc.shape[0] > 0 and 2 * int(np.count_nonzero(pc)) >= pc.shape[0]
+
     def _after_fork(self) -> None:
         """In a forked child the ring and its reads are the parent's: forget them (their slots come back by
         themselves: rowcache's reclaim of reservations nobody holds)."""
@@ -130,12 +136,10 @@ class Prefetcher:
 
     def _start(self, rows: np.ndarray, exclude: np.ndarray) -> None:
         """Reserve slots for those of `rows` that are neither in `exclude`, cached, being read nor in the page
-        cache, and queue their windows (under self.lock); nothing where the last read took rows from the page
-        cache (the page cache serves this file: its residency is not worth asking about)."""
+        cache, and queue their windows (under self.lock); nothing while the page cache serves the file."""
         self.noted = np.empty(0, np.int64)
         cache = rowcache.cache_for(self.table)
-        pc = self.reader.last_from_page_cache    # (the read that starts them has set it: no residency question)
-        if cache is None or self.ring is None or (pc is not None and pc.any()):
+        if cache is None or self.ring is None or self._page_cache_serves():
             return
         rows = rows[~member(rows, exclude)]
         if not rows.shape[0]:

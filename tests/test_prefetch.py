@@ -143,6 +143,17 @@ def test_nothing_is_prefetched_while_the_page_cache_serves_the_file(table):
         assert t.prefetch(np.arange(100, 150), "direct") == 0
 
 
+@pytest.mark.parametrize("from_page_cache, started", [(0, True), (1, True), (4, True), (5, False), (10, False)])
+def test_prefetching_stops_while_most_rows_come_from_the_page_cache(table, from_page_cache, started):
+    """A few rows of a cold file still in the page cache (a live mapping's pages after an eviction) do not stop
+    prefetching; a read that took most of its rows from the page cache does (reader.last_from_page_cache)."""
+    path, raw, _ = table
+    with gg.open_table(path, config=_cfg()) as t:
+        np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
+        t.open_reader("direct").last_from_page_cache = np.arange(10) < from_page_cache
+        assert (t.prefetch(np.arange(100, 120), "direct") == 20) == started
+
+
 def test_baselines_cache_off_and_the_switch_prefetch_nothing(table):
     path, raw, _ = table
     ids = np.arange(0, N_ROWS, 3)
