@@ -122,11 +122,12 @@ class Prefetcher:
         return out
 
     def _page_cache_serves(self) -> bool:
-        """The last read took most of its rows from the page cache: nothing to overlap, only look-ups to pay (a
-        new process on a warm file asking about residency in its first batch). The read that starts a prefetch
-        has set it already, so this asks nothing of the page cache."""
+        """The last read (of 16 rows or more: not a start-up's or a decode step's few) took most of its rows from
+        the page cache: nothing to overlap, only look-ups to pay (a new process on a warm file asking about
+        residency in its first batch). The read that starts a prefetch has set it already, so this asks nothing of
+        the page cache."""
         pc = self.reader.last_from_page_cache
-        return pc is not None and pc.shape[0] > 0 and 2 * int(np.count_nonzero(pc)) >= pc.shape[0]
+        return pc is not None and pc.shape[0] >= 16 and 2 * int(np.count_nonzero(pc)) >= pc.shape[0]
 
     def _after_fork(self) -> None:
         """In a forked child the ring and its reads are the parent's: forget them (their slots come back by

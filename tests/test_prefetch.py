@@ -138,19 +138,22 @@ def test_nothing_is_prefetched_while_the_page_cache_serves_the_file(table):
     path, raw, _ = table
     with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, hot_rows=0)) as t:   # page-cache reads on
         t.open_reader("direct").resident(np.arange(N_ROWS), t.row_bytes)               # (residency known)
-        np.testing.assert_array_equal(t.read_rows([5, 6], "direct"), raw[[5, 6]])
-        assert t.stats()["rows_from_page_cache"] == 2                   # (the file was just written: warm)
+        np.testing.assert_array_equal(t.read_rows(np.arange(5, 25), "direct"), raw[5:25])
+        assert t.stats()["rows_from_page_cache"] == 20                  # (the file was just written: warm)
         assert t.prefetch(np.arange(100, 150), "direct") == 0
 
 
-@pytest.mark.parametrize("from_page_cache, started", [(0, True), (1, True), (4, True), (5, False), (10, False)])
-def test_prefetching_stops_while_most_rows_come_from_the_page_cache(table, from_page_cache, started):
+@pytest.mark.parametrize("read, from_page_cache, started",
+                         [(20, 0, True), (20, 1, True), (20, 9, True), (20, 10, False), (20, 20, False),
+                          (1, 1, True), (15, 15, True), (16, 8, False)])
+def test_prefetching_stops_while_most_rows_come_from_the_page_cache(table, read, from_page_cache, started):
     """A few rows of a cold file still in the page cache (a live mapping's pages after an eviction) do not stop
-    prefetching; a read that took most of its rows from the page cache does (reader.last_from_page_cache)."""
+    prefetching, nor does a start-up's or a decode step's read of a few rows; a read of 16 rows or more that took
+    most of them from the page cache does (reader.last_from_page_cache)."""
     path, raw, _ = table
     with gg.open_table(path, config=_cfg()) as t:
-        np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
-        t.open_reader("direct").last_from_page_cache = np.arange(10) < from_page_cache
+        np.testing.assert_array_equal(t.read_rows(np.arange(read), "direct"), raw[:read])
+        t.open_reader("direct").last_from_page_cache = np.arange(read) < from_page_cache
         assert (t.prefetch(np.arange(100, 120), "direct") == 20) == started
 
 
