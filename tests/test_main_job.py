@@ -192,8 +192,13 @@ def test_readme_output(tmp_path):
                        text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     real = [_shape(x) for x in r.stdout.splitlines()]
+    # the quoted run found every row in the page cache; where the kernel evicted some of the model it had just
+    # written (memory pressure: seen in full-suite runs), the amplification line has its other wording
+    device = re.search(r"^sources .*?([\d,]+) from the device$", r.stdout, re.M)
+    assert device, r.stdout
+    skip = ("amplif.",) if int(device.group(1).replace(",", "")) else ()
     quoted = [x for x in block.group(1).splitlines()
-              if x.strip() and not x.startswith((" ", "note", "model", "prompt", "platform", "backend"))]
+              if x.strip() and not x.startswith((" ", "note", "model", "prompt", "platform", "backend") + skip)]
     assert len(quoted) >= 10
     at = 0
     for line in quoted:                 # each quoted line, in the README's order
