@@ -154,9 +154,7 @@ class Prefetcher:
             rows = rows[~res]
         if not rows.shape[0]:
             return
-        plan = self._plan(rows)
-        if plan.n_windows > MAX_WINDOWS:
-            return
+        plan = self._plan(rows)            # (at most MAX_WINDOWS rows: note() refuses more, and so windows)
         with cache.lock:
             r = cache.reserve(plan.unique_rows)
         if not (r.slots >= 0).all():    # (a cache too small for them all: only the rows given a slot)
