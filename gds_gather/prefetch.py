@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 DEPTH = 2               # jobs in flight at once: the one the next read collects and the one it starts
 RING_DEPTH = 4096
 MAX_WINDOWS = RING_DEPTH // DEPTH    # the most windows of one job; a wider next batch is not prefetched
-IO_KEYS = ("rows_prefetched", "rows_from_device", "bytes_requested")
 _TAGS = itertools.count(1)
 
 
@@ -47,8 +46,8 @@ class Job:
     plan: ReadPlan                  # the windows of the rows it reads, in staging
     cache: rowcache.RowCache        # the cache its slots are reserved in (a later cache_for may be another)
     reservation: rowcache.Reservation
+    pos: np.ndarray                 # which of the reservation's rows it reads (those given a slot), in plan order
     staging: Staging
-    expect: np.ndarray              # bytes each window holds (less past the end of the file)
 
 
 class Prefetcher:
@@ -61,7 +60,7 @@ class Prefetcher:
         self.noted = np.empty(0, np.int64)      # rows handed over and not started yet
         self.jobs: list[Job] = []               # in flight, oldest first
         self.free: list[Staging] = []
-        self.io = dict.fromkeys(IO_KEYS, 0)
+        self.io = {"rows_prefetched": 0, "bytes_requested": 0}
         self.lib = native.library(table.config)[0]
         self.lock = threading.RLock()
         forksafe.track(self, "lock")
@@ -154,17 +153,12 @@ class Prefetcher:
             rows = rows[~res]
         if not rows.shape[0]:
             return
-        plan = self._plan(rows)            # (at most MAX_WINDOWS rows: note() refuses more, and so windows)
         with cache.lock:
-            r = cache.reserve(plan.unique_rows)
-        if not (r.slots >= 0).all():    # (a cache too small for them all: only the rows given a slot)
-            kept = r.slots >= 0
-            with cache.lock:
-                cache.settle(r)
-                r = cache.reserve(plan.unique_rows[kept]) if kept.any() else r
-            if not kept.any():
-                return
-            plan = self._plan(plan.unique_rows[kept])
+            r = cache.reserve(rows)
+        pos = np.flatnonzero(r.slots >= 0)     # (all but where the cache is too small for them all)
+        if not pos.shape[0]:
+            return
+        plan = self._plan(rows[pos])           # (at most MAX_WINDOWS rows: note() refuses more, and so windows)
         staging = self.free.pop()
         try:
             buf = staging.ensure(plan.window_bytes)
@@ -182,7 +176,7 @@ class Prefetcher:
                         self.table.path.name, type(e).__name__, e)
             return
         self.io["bytes_requested"] += int(expect.sum())
-        self.jobs.append(Job(tag, plan, cache, r, staging, expect))
+        self.jobs.append(Job(tag, plan, cache, r, pos, staging))
 
     def _plan(self, rows: np.ndarray) -> ReadPlan:
         c, t = self.table.config, self.table
@@ -207,19 +201,18 @@ class Prefetcher:
                 if ok:
                     plan = job.plan
                     got = int(np.count_nonzero(cache.fill(
-                        job.reservation, np.arange(plan.n_unique),
+                        job.reservation, job.pos,
                         RowsAt(job.staging.buf, plan.row_staging, plan.row_bytes, self.lib)) >= 0))
                 cache.settle(job.reservation)
             self.free.append(job.staging)
         self.io["rows_prefetched"] += got       # (rows whose cache was emptied or closed meanwhile: not counted)
-        self.io["rows_from_device"] += got
         if why:
             log.warning("%s: a prefetch failed (%s); its rows are read when needed", self.table.path.name, why)
 
     def counts(self) -> dict:
-        """What the prefetches read: rows_prefetched (= their rows_from_device) and bytes_requested."""
+        """What the prefetches read: rows_prefetched (all of them rows_from_device) and bytes_requested."""
         with self.lock:
-            return dict(self.io)
+            return {**self.io, "rows_from_device": self.io["rows_prefetched"]}
 
     def close(self) -> None:
         with self.lock:
