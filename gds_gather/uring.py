@@ -366,7 +366,7 @@ class Ring:
         pos = 0
         retry: list[np.ndarray] = []
         inflight = unsubmitted = 0     # in the ring or in flight; placed in the ring but not yet taken
-        sq, cq = self._sqes, self._cqes
+        sq = self._sqes
         # fields that are the same for every read of this call, written once
         sq["opcode"] = OP_READ_FIXED if self.buffer_registered else OP_READ
         sq["flags"] = SQE_FIXED_FILE if self.files_registered else 0
@@ -374,8 +374,7 @@ class Ring:
         sq["ioprio"] = sq["buf_index"] = 0
         sq["rw_flags"] = 0
         f_off, f_addr, f_len, f_ud = sq["off"], sq["addr"], sq["len"], sq["user_data"]
-        c_ud, c_res = cq["user_data"], cq["res"]
-        mask, cmask, ramp = self._sq_mask, self._cq_mask, self._ramp
+        mask, ramp = self._sq_mask, self._ramp
         while True:
             if pos >= todo.shape[0] and retry:
                 todo, pos, retry = np.concatenate(retry), 0, []
@@ -415,16 +414,10 @@ class Ring:
                 fn()
             if lat is not None:
                 reaped = time.perf_counter_ns()
-            head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
-            m = (tail - head) & 0xFFFFFFFF
+            idx, res = self._completions()
+            m = idx.shape[0]
             if m == 0:
                 continue
-            acquire()           # the entries up to `tail` are visible (arm64)
-            h0 = head & cmask
-            sl = slice(h0, h0 + m) if h0 + m <= cmask + 1 else (head + ramp[:m]) & cmask
-            idx = c_ud[sl].astype(np.int64)
-            res = c_res[sl].astype(np.int64)
-            self._cq_head[0] = tail
             inflight -= m
             if lat is not None:
                 lat[idx] = reaped - first[idx]     # a retried extent is stamped again when it completes
@@ -479,6 +472,20 @@ class Ring:
                                 f"({int(expect[i] - got[i])} bytes missing): was the file truncated?")
             got[short] = aligned
             retry.append(short)
+
+    def _completions(self) -> tuple[np.ndarray, np.ndarray]:
+        """The completions posted since the last call, taken off the ring: (user_data, res), both int64 copies
+        (empty when none)."""
+        head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
+        m = (tail - head) & U32
+        if m == 0:
+            return self._ramp[:0], self._ramp[:0]
+        acquire()           # the entries up to `tail` are visible (arm64)
+        h0 = head & self._cq_mask
+        sl = slice(h0, h0 + m) if h0 + m <= self._cq_mask + 1 else (head + self._ramp[:m]) & self._cq_mask
+        ud, res = self._cqes["user_data"][sl].astype(np.int64), self._cqes["res"][sl].astype(np.int64)
+        self._cq_head[0] = tail
+        return ud, res
 
     # -- reads left in flight: queued now, collected later (prefetch.py) -------------------------------------
     def start(self, tag: int, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
@@ -547,19 +554,13 @@ class Ring:
                 return False
             deadline = time.monotonic() + timeout_s
             while g[1] < g[0]:
-                head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
-                m = (tail - head) & U32
-                if m == 0:
+                ud, res = self._completions()
+                if ud.shape[0] == 0:
                     if time.monotonic() > deadline:
                         raise ReadError(f"reads still in flight {timeout_s:.0f} s after they were queued")
                     self._wait(1)
                     continue
-                acquire()
-                at = (head + self._ramp[:m]) & self._cq_mask
-                ud = self._cqes["user_data"][at]
-                res = self._cqes["res"][at].astype(np.int64)
-                self._cq_head[0] = tail
-                tags, idx = (ud >> np.uint64(32)).astype(np.int64), (ud & np.uint64(U32)).astype(np.int64)
+                tags, idx = ud >> 32, ud & U32
                 if self.inject is not None:
                     res = np.asarray(self.inject(res.copy(), idx), np.int64)
                 for t in np.unique(tags).tolist():
