@@ -170,3 +170,27 @@ int64_t gg_hash_insert(int64_t *keys, int32_t *vals, int64_t mask, int shift, co
     }
     return reused;
 }
+
+/* rowcache.FreqSketch: 4 rows of `width` uint8 counters, row d's counter of key k at (k * seed[d]) >> shift. add:
+   one saturating increment per key and row (every key counts, colliding ones too); min: each key's estimate. */
+void gg_sketch_add(uint8_t *table, int64_t width, int shift, const uint64_t *seeds, const int64_t *k, int64_t n) {
+    for (int d = 0; d < 4; d++) {
+        uint8_t *row = table + d * width;
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t *c = row + (((uint64_t)k[i] * seeds[d]) >> shift);
+            *c += *c < 255;
+        }
+    }
+}
+
+void gg_sketch_min(const uint8_t *table, int64_t width, int shift, const uint64_t *seeds, const int64_t *k,
+                   int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t m = 255;
+        for (int d = 0; d < 4; d++) {
+            uint8_t c = table[d * width + (((uint64_t)k[i] * seeds[d]) >> shift)];
+            m = c < m ? c : m;
+        }
+        out[i] = m;
+    }
+}

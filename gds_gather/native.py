@@ -59,6 +59,12 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.gg_hash_insert.restype = ctypes.c_int64
     lib.gg_hash_insert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64]
+    lib.gg_sketch_add.restype = None
+    lib.gg_sketch_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64]
+    lib.gg_sketch_min.restype = None
+    lib.gg_sketch_min.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_void_p]
     lib.gg_mincore_rows.restype = None
     lib.gg_mincore_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     return lib, f"native helpers {so.name}"

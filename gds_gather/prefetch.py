@@ -84,7 +84,7 @@ class Prefetcher:
         cache lacks now; none where they are more than MAX_WINDOWS, or while the page cache serves the file (the
         last read took most of its rows from it). Rows noted before and not started yet are started first."""
         cache = rowcache.cache_for(self.table)
-        if cache is None or self._page_cache_serves():
+        if cache is None or self.declines():
             return 0
         with self.lock:
             self.open()
@@ -120,7 +120,7 @@ class Prefetcher:
             also()
         return out
 
-    def _page_cache_serves(self) -> bool:
+    def declines(self) -> bool:
         """The last read (of 16 rows or more: not a start-up's or a decode step's few) took most of its rows from
         the page cache: nothing to overlap, only look-ups to pay (a new process on a warm file asking about
         residency in its first batch). The read that starts a prefetch has set it already, so this asks nothing of
@@ -139,7 +139,7 @@ class Prefetcher:
         cache, and queue their windows (under self.lock); nothing while the page cache serves the file."""
         self.noted = np.empty(0, np.int64)
         cache = rowcache.cache_for(self.table)
-        if cache is None or self.ring is None or self._page_cache_serves():
+        if cache is None or self.ring is None or self.declines():
             return
         rows = rows[~member(rows, exclude)]
         if not rows.shape[0]:

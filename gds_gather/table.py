@@ -182,10 +182,12 @@ class Table:
         if ids.size == 0:
             ahead.open()                # (an empty prefetch makes its ring: start-up before a caller's clock)
             return 0
+        if not np.issubdtype(ids.dtype, np.integer) or int(ids.min()) < 0 or int(ids.max()) >= self.n_rows:
+            raise BadIdsError(f"{self.path}: prefetch takes integer row ids in [0, {self.n_rows})")
+        if ahead.declines():            # (before the sort: a warm file's wide batches would pay it for nothing)
+            return 0
         rows = np.sort(ids.ravel())      # (np.unique's first call imports numpy.ma: 38 ms on the development VM)
         rows = rows[np.r_[True, rows[1:] != rows[:-1]]]
-        if not np.issubdtype(rows.dtype, np.integer) or int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows:
-            raise BadIdsError(f"{self.path}: prefetch takes integer row ids in [0, {self.n_rows})")
         return ahead.note(rows.astype(np.int64, copy=False))
 
     def _through(self, reader, rows: np.ndarray, read) -> np.ndarray:

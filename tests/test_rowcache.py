@@ -306,3 +306,33 @@ def test_lookup_few_rows_counts_as_the_vectorized_path(monkeypatch):
     assert (a.hits, a.misses, a._age) == (b.hits, b.misses, b._age) and a.hits > 0 and a.misses > 0
     np.testing.assert_array_equal(a.slot_freq, b.slot_freq)
     np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
+
+
+@given(batches=st.lists(st.lists(st.integers(0, (1 << 40) - 1), min_size=1, max_size=300, unique=True),
+                        min_size=1, max_size=40))
+@settings(max_examples=30, deadline=None)
+def test_the_sketch_counts_as_count_min_does(batches):
+    """FreqSketch, native and numpy, against a count-min written here with Python integers: the native helper counts
+    every key of a batch in each row (saturating at 255); the numpy path may lose a count where two keys of one
+    batch share a counter, never gains one; estimates are the minimum over the rows."""
+    lib = native.library()[0]
+    if lib is None:
+        pytest.skip("no native helpers (no C compiler)")
+    width_hint = 1024                       # 1024 counters a row: collisions happen in long batches
+    fast, slow = rowcache.FreqSketch(width_hint, 10, lib=lib), rowcache.FreqSketch(width_hint, 10)
+    shift = 64 - (fast.width.bit_length() - 1)
+    oracle = np.zeros((4, fast.width), np.int64)
+    for keys in batches:
+        k = np.array(keys, np.int64)
+        fast.add(k)
+        slow.add(k)
+        for key in keys:
+            for d, seed in enumerate(int(s) for s in rowcache.SKETCH_SEEDS):
+                c = ((key * seed) & ((1 << 64) - 1)) >> shift
+                oracle[d, c] = min(oracle[d, c] + 1, 255)
+    np.testing.assert_array_equal(fast.table, oracle)
+    assert (slow.table <= oracle).all()
+    probe = np.array(sorted({x for b in batches for x in b}), np.int64)
+    at = [((probe.astype(np.uint64) * rowcache.SKETCH_SEEDS[d]) >> np.uint64(shift)).astype(np.int64) for d in range(4)]
+    np.testing.assert_array_equal(fast.estimate(probe), np.minimum.reduce([oracle[d, at[d]] for d in range(4)]))
+    np.testing.assert_array_equal(slow.estimate(probe), np.minimum.reduce([slow.table[d, at[d]] for d in range(4)]))
