@@ -79,10 +79,11 @@ class Prefetcher:
                 self.ring = uring.Ring(RING_DEPTH)
                 self.free = [Staging() for _ in range(DEPTH)]
 
-    def note(self, rows: np.ndarray) -> int:
-        """The next batch's rows (sorted, unique); returns how many of them will be read ahead: those the row
-        cache lacks now; none where they are more than MAX_WINDOWS, or while the page cache serves the file (the
-        last read took most of its rows from it). Rows noted before and not started yet are started first."""
+    def note(self, ids: np.ndarray) -> int:
+        """The next batch's row ids (int64, valid, in any order, repeats allowed); returns how many rows will be
+        read ahead: those the row cache lacks now; none where they are more than MAX_WINDOWS, or while the page
+        cache serves the file (the last read took most of its rows from it). Rows noted before and not started
+        yet are started first. Only the misses are sorted (a batch the cache holds costs one look-up)."""
         cache = rowcache.cache_for(self.table)
         if cache is None or self.declines():
             return 0
@@ -91,7 +92,10 @@ class Prefetcher:
             if self.noted.shape[0]:
                 self._start(self.noted, np.empty(0, np.int64))
             with cache.lock:
-                missing = rows[cache.cached(rows) < 0]
+                missing = ids[cache.cached(ids) < 0]
+            if missing.shape[0]:
+                missing.sort()
+                missing = missing[np.r_[True, missing[1:] != missing[:-1]]]
             if missing.shape[0] > MAX_WINDOWS:   # a batch this wide keeps the device busy by itself: prefetching
                 return 0                         # it only reorders the device's work (docs/decisions.md)
             self.noted = missing
