@@ -51,7 +51,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of bench `name` (shared by `gds-gather bench NAME` and bench/bench_NAME.py)."""
     BENCHES[name][0](p)
     p.add_argument("--repeat", type=int, help="timed repetitions per measurement, median shown "
-                                              "(default 3; --quick 2)")
+                                              "(default 3, bench gather 5; --quick 2)")
     p.add_argument("--drop-caches", action="store_true", help=DROP_CACHES_HELP + " (POSIX_FADV_DONTNEED "
                    "after fsync, checked with mincore)")
     p.add_argument("--quick", action="store_true", help="a small, short run (smoke test)")
