@@ -125,9 +125,9 @@ class Prefetcher:
         return out
 
     def declines(self) -> bool:
-        """The last read (of 16 rows or more: not a start-up's or a decode step's few) took most of its rows from
-        the page cache: nothing to overlap, only look-ups to pay (a new process on a warm file asking about
-        residency in its first batch). The read that starts a prefetch has set it already, so this asks nothing of
+        """Whether to read nothing ahead now: the last read (of 16 rows or more: not a start-up's or a decode
+        step's few) took most of its rows from the page cache: nothing to overlap, only look-ups to pay (a new
+        process on a warm file asking about residency in its first batch). The read that starts a prefetch has set it already, so this asks nothing of
         the page cache."""
         pc = self.reader.last_from_page_cache
         return pc is not None and pc.shape[0] >= 16 and 2 * int(np.count_nonzero(pc)) >= pc.shape[0]

@@ -43,7 +43,7 @@ MAX_FILES = 4                         # caches kept per process (least recently 
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 SKETCH_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
-                         np.uint64)
+                        np.uint64)
 EMPTY, TOMB = -1, -2
 PENDING = -3            # slot_row <= PENDING: reserved for row PENDING - slot_row, its bytes being read (reserve)
 _GOLD_INT, _M64 = int(_GOLD), (1 << 64) - 1
