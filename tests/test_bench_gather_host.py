@@ -60,7 +60,8 @@ def test_device_destinations_on_the_host_accel(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--tokens", "-1"], "sizes, --repeat and --qd must be >= 1"),
+    (["--tokens", "-1"], "sizes, --repeat, --samples and --qd must be >= 1"),
+    (["--samples", "0"], "sizes, --repeat, --samples and --qd must be >= 1"),
     (["--backends", "direct,nvme"], "unknown backend 'nvme'; known: direct, pread, mmap, readahead, resident, "
                                     "gpu:direct, gpu:gds"),
     (["--tables", "llama"], r"--tables: qwen4exp and/or gemma4-e4b, got 'llama' \(use --file for others\)"),
@@ -85,6 +86,30 @@ def test_row_cache_figures_of_odd_tables():
         {"cache_hits": 3, "cache_misses": 1, "cache_bytes": 12, "backend": "direct", "cache_hit_rate": 0.75}
 
 
+def test_again_and_warm_take_samples_warm_in_sweeps_across_the_backends(tmp_path, monkeypatch):
+    """--samples: the again passes in a row on the cold pass's Table, the warm passes in sweeps across the backends
+    (each backend's warm passes between the others'), every pass a sample of the median."""
+    from gds_gather.benches import gather
+    seen, real = [], gather.gather_pass
+
+    def spy(t, b, trace, stream=None):
+        seen.append(b)
+        return real(t, b, trace, stream)
+    monkeypatch.setattr(gather, "gather_pass", spy)
+    table = tmp_path / "e4b.gguf"
+    write_model(table, "gemma4-e4b", rows=256)
+    res = benches.gather_main(["--file", str(table), "--tokens", "128", "--ubatch", "64", "--repeat", "2",
+                               "--samples", "3", "--no-newproc", "--no-restart", "--no-fio", "--no-prime",
+                               "--backends", "direct,mmap", "--out", str(tmp_path)])
+    one = ["direct"] * 4 + ["mmap"] * 4 + ["direct", "mmap"] * 3      # round 1: cold + 3 again each, 3 sweeps
+    two = ["mmap"] * 4 + ["direct"] * 4 + ["mmap", "direct"] * 3      # round 2 starts with the other backend
+    assert seen == one + two
+    (t,) = res["tables"]
+    n = {(r["backend"], r["cache"]): r["n_runs"] for r in t["runs"]}
+    assert n == {(b, p): (2 if p == "cold" else 6) for b in ("direct", "mmap") for p in ("cold", "again", "warm")}
+    assert res["samples"] == 3 and all(len(r["rows_per_s_all"]) == r["n_runs"] for r in t["runs"])
+
+
 @pytest.mark.parametrize("prime", [True, False])
 def test_a_priming_round_first_then_the_backends_take_turns(tmp_path, capsys, monkeypatch, prime):
     """Every backend's cold pass once, untimed, before the timed rounds (a virtual disk's host cache in one state
@@ -93,9 +118,9 @@ def test_a_priming_round_first_then_the_backends_take_turns(tmp_path, capsys, mo
     from gds_gather.benches import gather
     calls, real = [], gather.backend_passes
 
-    def spy(path, warm_path, b, a, cfg, trace, stream, passes):
+    def spy(path, b, a, cfg, trace, stream, passes):
         calls.append((b, tuple(passes)))
-        return real(path, warm_path, b, a, cfg, trace, stream, passes)
+        return real(path, b, a, cfg, trace, stream, passes)
     monkeypatch.setattr(gather, "backend_passes", spy)
     table = tmp_path / "e4b.gguf"
     write_model(table, "gemma4-e4b", rows=256)

@@ -1,9 +1,10 @@
 """bench gather: a real-text (or random) row-id trace through every backend in three passes, against fio.
 
-Per table and backend, interleaved and repeated: (a) cold: the table's file evicted from the page cache, a new
-Table; (b) again: the same open Table, a second pass over the same trace (a row cache pays off here; mmap's
-mapping is warm); (c) warm: a new Table on the same file whose trace pages are now in the page cache (or on a
-tmpfs copy with --warm tmpfs). Each pass reports rows/s, ns per gather, the bytes requested and the bytes the
+Per table, in rounds (--repeat), the backends taking turns: (a) cold: the table's file evicted from the page
+cache, a new Table; (b) again: the same open Table, more passes over the same trace (a row cache pays off here;
+mmap's mapping is warm); (c) warm: a new Table on the same file whose trace pages are now in the page cache (or on
+a tmpfs copy with --warm tmpfs), in sweeps across the backends; then the passes in new processes (newproc,
+restart). Passes (b) and (c) last a few ms: each round takes --samples of them. Each pass reports rows/s, ns per gather, the bytes requested and the bytes the
 storage delivered (/proc/self/io, and the block device's counter), page-cache growth and the row cache's
 figures where the Table has them (Table.stats()).
 """
@@ -28,7 +29,7 @@ PASSES = ("cold", "again", "warm")
 NEW_PROCESS = ("newproc", "restart")          # passes run in new processes (child_main), after the three above
 ALL_PASSES = PASSES + NEW_PROCESS
 PASS_TITLE = {"cold": "cold: the file evicted from the page cache, the row cache emptied, a new Table",
-              "again": "same table again: the same open Table (and row cache), a second pass over the trace",
+              "again": "same table again: the same open Table (and row cache), more passes over the trace",
               "warm": "new table, warm page cache: a new Table (row cache emptied) on the file whose trace pages "
                       "are in the page cache",
               "newproc": "new process, warm box: another process read the trace through a mapping (hot-row files "
@@ -71,6 +72,9 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                         "trace's pages in the page cache (default); tmpfs = a new Table on a copy of the table on "
                         "--tmpfs; none = no pass (c)")
     p.add_argument("--tmpfs", default="/dev/shm", help="where --warm tmpfs copies the table")
+    p.add_argument("--samples", type=int,
+                   help="passes (b) and (c) per round (default 3; --quick 1): they last a few ms, so each round "
+                        "takes several, (b) in a row on the same Table, (c) in sweeps across the backends")
     p.add_argument("--no-cold", action="store_true", help="no pass (a)")
     p.add_argument("--no-again", action="store_true", help="no pass (b)")
     p.add_argument("--no-warm", action="store_true", help="no pass (c) (same as --warm none)")
@@ -300,8 +304,10 @@ def _passes(a) -> list[str]:
     return [p for p in PASSES if not skip[p]]
 
 
-def backend_passes(path: Path, warm_path: Path | None, b: str, a, cfg, trace, stream, passes) -> dict:
-    """Passes (a), (b), (c) of one backend, in that order; returns {pass: run}."""
+def backend_passes(path: Path, b: str, a, cfg, trace, stream, passes) -> dict:
+    """Passes (a) and (b) of one backend, in that order: {pass: [runs]}; (b) is a.samples passes in a row on the
+    same Table (each finds the state the cold pass left: every row of the trace in the row cache, the mapping or
+    the page cache). Pass (c) is warm_passes'."""
     out = {}
     emptied = empty_row_cache()
     t = _open_for(path, cfg, b, stream)
@@ -311,20 +317,32 @@ def backend_passes(path: Path, warm_path: Path | None, b: str, a, cfg, trace, st
         else:
             how = go_cold(t.path, a.drop_caches, (t.data_offset, t.n_bytes))   # after the reader was opened
             left = measure.resident_bytes(t.path, t.data_offset, t.n_bytes)
-            out["cold"] = gather_pass(t, b, trace, stream)
-            out["cold"].update(cold_how=how, cold_left_MiB=left / MiB, row_cache_emptied=emptied)
+            r = gather_pass(t, b, trace, stream)
+            r.update(cold_how=how, cold_left_MiB=left / MiB, row_cache_emptied=emptied)
+            out["cold"] = [r]
         if "again" in passes:
-            out["again"] = gather_pass(t, b, trace, stream)
+            out["again"] = [gather_pass(t, b, trace, stream) for _ in range(a.samples)]
     finally:
         t.close()
-    if "warm" in passes and warm_path is not None:
+    return out
+
+
+def warm_passes(warm_path: Path, order: list[str], a, cfg, trace, stream) -> dict:
+    """Pass (c) of every backend, a.samples sweeps of the backends in `order` (b1, b2, ..., b1, b2, ...), each a new
+    Table (row cache emptied) on the file whose trace pages a buffered pass has just put in the page cache:
+    {backend: [runs]}. Interleaved because these passes last a few ms on a VM whose speed drifts over seconds: the
+    backends are compared within a moment of one another."""
+    out: dict = {}
+    for _ in range(a.samples):
         if a.warm == "cache":
             _warm_page_cache(warm_path, cfg, trace)
-        empty_row_cache()
-        with _open_for(warm_path, cfg, b, stream) as t2:
-            before = measure.resident_bytes(t2.path)
-            out["warm"] = gather_pass(t2, b, trace, stream)
-            out["warm"]["page_cache_before_MiB"] = before / MiB
+        for b in order:
+            empty_row_cache()
+            with _open_for(warm_path, cfg, b, stream) as t:
+                before = measure.resident_bytes(t.path)
+                r = gather_pass(t, b, trace, stream)
+            r["page_cache_before_MiB"] = before / MiB
+            out.setdefault(b, []).append(r)
     return out
 
 
@@ -395,8 +413,9 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
     print("\n" + fit(f"## {label}: {path} ({geo['arch'] or '?'}, {geo['n_rows']:,} rows x {geo['row_bytes']:,} B "
                      f"{geo['qtype']} = {geo['table_bytes'] / 1e9:.2f} GB; O_DIRECT alignment {geo['align']} B)",
                      "   "))
-    print(fit(f"   trace: {desc}; per backend, interleaved, {a.repeat} round(s) of the passes "
-              f"{', '.join(passes)} in that order; median shown; {facts_line(path)}", "     "), flush=True)
+    print(fit(f"   trace: {desc}; {a.repeat} round(s) of the passes {', '.join(passes)}: per backend in turn its "
+              f"cold pass then {a.samples} again pass(es) on that Table, then {a.samples} sweep(s) of warm passes "
+              f"across the backends; median of every pass shown; {facts_line(path)}", "     "), flush=True)
     out = {"label": label, "path": str(path), **geo, "trace": desc, "ids": n_ids, "passes": passes, "runs": [],
            "fio": {}, "fio_warm": None}
     stream = _gpu_stream(backends, cfg)
@@ -427,9 +446,12 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
             k = rep % len(turns) if turns else 0
             order = turns[k:] + turns[:k] + last
             for b in order:
-                for p, r in backend_passes(path, warm_path, b, a, cfg, trace, stream, passes).items():
-                    runs.setdefault((b, p), []).append(r)
+                for p, rs in backend_passes(path, b, a, cfg, trace, stream, passes).items():
+                    runs.setdefault((b, p), []).extend(rs)
                 hows[b] = _how_after(path, cfg, b, stream)
+            if "warm" in passes and warm_path is not None:
+                for b, rs in warm_passes(warm_path, order, a, cfg, trace, stream).items():
+                    runs.setdefault((b, "warm"), []).extend(rs)
             for b in (x for x in order if not x.startswith("gpu:") and x != "resident"):
                 for p, r in new_process_passes(path, b, a, cfg, trace_file, hot_dir, newp).items():
                     runs.setdefault((b, p), []).append(r)
@@ -485,7 +507,7 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
 def prime_round(path: Path, backends: list[str], a, cfg, trace, stream) -> dict:
     """One untimed cold pass per backend (resident: none, it loads the whole table), printed: the first read of the
     trace on this machine. Returns {backend: rows/s}."""
-    got = {b: backend_passes(path, None, b, a, cfg, trace, stream, ["cold"])["cold"]["rows_per_s"]
+    got = {b: backend_passes(path, b, a, cfg, trace, stream, ["cold"])["cold"][0]["rows_per_s"]
            for b in backends if b != "resident"}
     print(fit("  priming round (untimed, cold; the first read of the trace here): "
               + ", ".join(f"{b} {v / 1e3:,.1f}k rows/s" for b, v in got.items()), "     "), flush=True)
@@ -582,11 +604,12 @@ def run_gather(a, cfg: Config) -> dict:
     a.ids = a.ids or (5000 if q else 100_000)
     a.batch = a.batch or (1000 if q else 16_384)
     a.repeat = a.repeat or (2 if q else 5)      # (its passes last 5-300 ms on a VM that drifts: 5 rounds a median)
+    a.samples = (1 if q else 3) if a.samples is None else a.samples
     a.fio_runtime = a.fio_runtime or (1 if q else 5)
     if a.qd is None:
         a.qd = cfg.queue_depth
-    if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.qd) < 1:
-        raise ValueError("sizes, --repeat and --qd must be >= 1")
+    if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.samples, a.qd) < 1:
+        raise ValueError("sizes, --repeat, --samples and --qd must be >= 1")
     # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
     cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=0 if a.no_prefetch else None)
     cfg, cache_note = apply_cache_option(cfg, a.cache)
@@ -623,7 +646,7 @@ def run_gather(a, cfg: Config) -> dict:
         return f"{filesystem(p)} on {block_device(p)}"
 
     result = {"bench": "gather", "facts": facts, "backends": backends, "trace": a.trace, "qd": a.qd,
-              "repeat": a.repeat, "warm_mode": "none" if a.no_warm else a.warm,
+              "repeat": a.repeat, "samples": a.samples, "warm_mode": "none" if a.no_warm else a.warm,
               "passes": _passes(a) + _new_process_passes(a),
               "drop_caches": bool(a.drop_caches), "row_cache": cache_note, "primed": not a.no_prime, "tables": []}
     for label, path in tables:
