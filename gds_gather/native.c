@@ -6,7 +6,8 @@
  * gg_madvise_ranges: one madvise(2) per range of a mapping (batched readahead hints).
  * gg_publish_i32: a release store of a flag that the GPU polls, ordered after every earlier store.
  * gg_copy_rows: rows at byte offsets of one buffer copied to byte offsets of another, with no temporary (numpy's
- *   gather then scatter allocates one, and fresh memory's first touch costs more than the copy).
+ *   gather then scatter allocates one, and fresh memory's first touch costs more than the copy), by one thread or
+ *   several.
  * gg_hash_get, gg_hash_insert: rowcache.HashIndex's look-up and insertion (the same table, hash and probe order
  *   as its numpy code), one key at a time: a batch's probe rounds cost a dozen numpy calls each there.
  */
@@ -132,11 +133,40 @@ void gg_publish_i32(int32_t *flag, int32_t value) {
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 }
 
-/* dst + dst_off[i] <- src + src_off[i], row_bytes each, for every i (bounds checked by the caller, native.py). */
+typedef struct {
+    const uint8_t *src;
+    const int64_t *src_off, *dst_off;
+    uint8_t *dst;
+    int64_t lo, hi, row_bytes;
+} copy_t;
+
+static void *copy_part(void *arg) {
+    const copy_t *c = arg;
+    for (int64_t i = c->lo; i < c->hi; i++)
+        memcpy(c->dst + c->dst_off[i], c->src + c->src_off[i], (size_t)c->row_bytes);
+    return NULL;
+}
+
+/* dst + dst_off[i] <- src + src_off[i], row_bytes each, for every i (bounds checked by the caller, native.py), by
+   nthreads threads, each a contiguous part (where src is a fresh mapping of the page cache, the copy is its page
+   faults, which threads take in parallel). */
 void gg_copy_rows(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const int64_t *dst_off, int64_t n,
-                  int64_t row_bytes) {
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + dst_off[i], src + src_off[i], (size_t)row_bytes);
+                  int64_t row_bytes, int nthreads) {
+    if (nthreads > 16) nthreads = 16;
+    if (nthreads > n) nthreads = (int)n;
+    if (nthreads < 1) nthreads = 1;
+    copy_t part[16];
+    pthread_t th[16];
+    int started[16] = {0};
+    for (int k = 0; k < nthreads; k++)
+        part[k] = (copy_t){src, src_off, dst_off, dst, n * k / nthreads, n * (k + 1) / nthreads, row_bytes};
+    for (int k = 1; k < nthreads; k++)
+        started[k] = pthread_create(&th[k], NULL, copy_part, &part[k]) == 0;
+    copy_part(&part[0]);
+    for (int k = 1; k < nthreads; k++) {
+        if (started[k]) pthread_join(th[k], NULL);
+        else copy_part(&part[k]);               /* no thread: this one copies that part too */
+    }
 }
 
 /* rowcache.HashIndex: keys int64 (-1 empty, -2 deleted), vals int32, 2^bits entries, home = (key * GOLD) >> shift,

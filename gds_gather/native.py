@@ -52,7 +52,7 @@ def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.gg_publish_i32.restype = None
     lib.gg_publish_i32.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.gg_copy_rows.restype = None
-    lib.gg_copy_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    lib.gg_copy_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.gg_hash_get.restype = None
     lib.gg_hash_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_int64, ctypes.c_void_p]
@@ -117,12 +117,13 @@ def mincore_rows(lib, base_addr: int, first_page, n_pages, page: int, map_pages:
     return out.view(bool)
 
 
-def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None) -> None:
+def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None, threads: int = 1) -> None:
     """dst[dst_rows[i]] = the row_bytes (dst.shape[1]) bytes at byte src_offsets[i] of src, for every i; dst_rows
     None: rows 0, 1, ... of dst. src: contiguous uint8; dst: C-contiguous uint8 [m, row_bytes].
 
-    Native (lib): one memcpy per row and no temporary; without it numpy's gather then scatter, whose temporary is
-    fresh memory (its first touch costs several times the copy: docs/decisions.md)."""
+    Native (lib): one memcpy per row and no temporary, by `threads` native threads (each a contiguous part of the
+    rows); without it numpy's gather then scatter, whose temporary is fresh memory (its first touch costs several
+    times the copy: docs/decisions.md)."""
     so = np.ascontiguousarray(src_offsets, np.int64)
     n, rb = so.shape[0], dst.shape[1]
     do = np.arange(n, dtype=np.int64) if dst_rows is None else np.ascontiguousarray(dst_rows, np.int64)
@@ -138,7 +139,7 @@ def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None)
         dst[do] = view[so]      # (not np.take: on this overlapping view it would copy the whole view first)
         return
     do = do * rb
-    lib.gg_copy_rows(src.ctypes.data, so.ctypes.data, dst.ctypes.data, do.ctypes.data, n, rb)
+    lib.gg_copy_rows(src.ctypes.data, so.ctypes.data, dst.ctypes.data, do.ctypes.data, n, rb, int(threads))
 
 
 class RowsAt:

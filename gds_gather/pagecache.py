@@ -65,6 +65,9 @@ PREAD_MIN_ROW = 1024    # page-cache rows at least this wide are pread, narrower
 # ... by up to PREAD_THREADS native threads, one per PREAD_PER_THREAD runs of rows (a new process's first copy of
 # page-cache pages costs ~5 us a row, which threads share: docs/decisions.md)
 PREAD_THREADS, PREAD_PER_THREAD = 4, 64
+# ... and the narrower ones by up to that many native threads too, one per COPY_PER_THREAD rows: a new mapping's copy
+# is its page faults, which threads take in parallel (docs/decisions.md)
+COPY_PER_THREAD = 4096
 
 
 class Residency:
@@ -247,8 +250,13 @@ class Residency:
         Rows of PREAD_MIN_ROW bytes or more are pread (runs of adjacent rows as one read): a page touched through the
         mapping joins this process's RSS, and where the kernel maps large folios whole one row maps up to 2 MiB of
         the file. Narrower rows are copied out of the mapping, where pread's per-call cost dominates (see
-        docs/decisions.md), as is everything where the native helpers are missing."""
+        docs/decisions.md), by several threads for a large batch, as is everything where the native helpers are
+        missing (by one)."""
         if row_bytes < PREAD_MIN_ROW or self._lib is None:
+            threads = min(PREAD_THREADS, os.cpu_count() or 1, rows.shape[0] // COPY_PER_THREAD)
+            if self._lib is not None and threads > 1:
+                native.copy_rows(self._lib, self.table, rows * row_bytes, out, threads=threads)
+                return
             # mode="clip" (the rows are checked): with out= and "raise", numpy gathers into a temporary first
             np.take(self.table.reshape(-1, row_bytes), rows, axis=0, out=out, mode="clip")
             return

@@ -76,6 +76,37 @@ def test_warm_rows_come_from_the_page_cache_cold_ones_odirect(wide):
         np.testing.assert_array_equal(t.gather(ids, "direct"), t.gather(ids, "pread"))
 
 
+def test_a_large_batch_of_narrow_rows_is_copied_by_several_threads(tmp_path, ggufs, monkeypatch):
+    """Narrow page-cache rows (34 B, Q8_0 of 32) of a batch of at least COPY_PER_THREAD rows a thread are copied out
+    of the mapping by native threads, each a contiguous part: the rows equal the file's, and every one came from
+    the page cache."""
+    from gds_gather import native, pagecache
+    if native.library()[0] is None:
+        pytest.skip("no native helpers (C compiler)")
+    path = ggufs.write(tmp_path / "n.gguf", ggufs.rows(Q.Q8_0, 20000, 32, seed=5), Q.Q8_0)
+    with gg.open_table(path) as t:
+        raw = np.fromfile(path, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
+    monkeypatch.setattr(pagecache, "COPY_PER_THREAD", 64)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    calls, real = [], native.copy_rows
+
+    def spy(lib, src, offs, dst, dst_rows=None, threads=1):
+        calls.append(threads)
+        return real(lib, src, offs, dst, dst_rows, threads)
+    monkeypatch.setattr(native, "copy_rows", spy)
+    gc.collect()
+    measure.evict_file(path)
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t) or not t._readers["direct"]._pc.trusted:
+            pytest.skip("no O_DIRECT or no trusted mincore here")
+        ids = np.random.default_rng(1).integers(0, t.n_rows, 3000)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] == np.unique(ids).size + 1 and s["rows_from_device"] == 0
+    assert calls and max(calls) == 4       # ~2,600 unique rows, 64 a thread, at most PREAD_THREADS
+
+
 def test_cold_file_reads_everything_odirect(wide):
     path, raw = wide
     measure.evict_file(path)
