@@ -137,36 +137,39 @@ typedef struct {
     const uint8_t *src;
     const int64_t *src_off, *dst_off;
     uint8_t *dst;
-    int64_t lo, hi, row_bytes;
+    int64_t n, row_bytes, chunk;
+    atomic_long next;       /* the first row of the next chunk a thread takes */
 } copy_t;
 
 static void *copy_part(void *arg) {
-    const copy_t *c = arg;
-    for (int64_t i = c->lo; i < c->hi; i++)
-        memcpy(c->dst + c->dst_off[i], c->src + c->src_off[i], (size_t)c->row_bytes);
+    copy_t *c = arg;
+    for (;;) {
+        int64_t lo = atomic_fetch_add(&c->next, c->chunk);
+        if (lo >= c->n) break;
+        int64_t hi = lo + c->chunk < c->n ? lo + c->chunk : c->n;
+        for (int64_t i = lo; i < hi; i++)
+            memcpy(c->dst + c->dst_off[i], c->src + c->src_off[i], (size_t)c->row_bytes);
+    }
     return NULL;
 }
 
 /* dst + dst_off[i] <- src + src_off[i], row_bytes each, for every i (bounds checked by the caller, native.py), by
-   nthreads threads, each a contiguous part (where src is a fresh mapping of the page cache, the copy is its page
-   faults, which threads take in parallel). */
+   nthreads threads taking chunks of GG_COPY_CHUNK rows in turn (where src is a fresh mapping of the page cache, the
+   copy is its page faults, which threads take in parallel; a thread whose CPU is slow, as a VM's can be for a
+   while, takes fewer chunks instead of holding up a fixed share). */
+#define GG_COPY_CHUNK 256
 void gg_copy_rows(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const int64_t *dst_off, int64_t n,
                   int64_t row_bytes, int nthreads) {
     if (nthreads > 16) nthreads = 16;
     if (nthreads > n) nthreads = (int)n;
     if (nthreads < 1) nthreads = 1;
-    copy_t part[16];
+    copy_t c = {src, src_off, dst_off, dst, n, row_bytes, nthreads > 1 ? GG_COPY_CHUNK : (n > 0 ? n : 1), 0};
     pthread_t th[16];
-    int started[16] = {0};
-    for (int k = 0; k < nthreads; k++)
-        part[k] = (copy_t){src, src_off, dst_off, dst, n * k / nthreads, n * (k + 1) / nthreads, row_bytes};
-    for (int k = 1; k < nthreads; k++)
-        started[k] = pthread_create(&th[k], NULL, copy_part, &part[k]) == 0;
-    copy_part(&part[0]);
-    for (int k = 1; k < nthreads; k++) {
-        if (started[k]) pthread_join(th[k], NULL);
-        else copy_part(&part[k]);               /* no thread: this one copies that part too */
-    }
+    int started = 0;
+    for (; started < nthreads - 1; started++)
+        if (pthread_create(&th[started], NULL, copy_part, &c) != 0) break;
+    copy_part(&c);                              /* the calling thread copies too (all of it, with no thread) */
+    for (int k = 0; k < started; k++) pthread_join(th[k], NULL);
 }
 
 /* rowcache.HashIndex: keys int64 (-1 empty, -2 deleted), vals int32, 2^bits entries, home = (key * GOLD) >> shift,
