@@ -121,8 +121,8 @@ def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None,
     """dst[dst_rows[i]] = the row_bytes (dst.shape[1]) bytes at byte src_offsets[i] of src, for every i; dst_rows
     None: rows 0, 1, ... of dst. src: contiguous uint8; dst: C-contiguous uint8 [m, row_bytes].
 
-    Native (lib): one memcpy per row and no temporary, by `threads` native threads (each a contiguous part of the
-    rows); without it numpy's gather then scatter, whose temporary is fresh memory (its first touch costs several
+    Native (lib): one memcpy per row and no temporary, by `threads` native threads (taking chunks of rows in
+    turn); without it numpy's gather then scatter, whose temporary is fresh memory (its first touch costs several
     times the copy: docs/decisions.md)."""
     so = np.ascontiguousarray(src_offsets, np.int64)
     n, rb = so.shape[0], dst.shape[1]

@@ -78,8 +78,7 @@ def test_warm_rows_come_from_the_page_cache_cold_ones_odirect(wide):
 
 def test_a_large_batch_of_narrow_rows_is_copied_by_several_threads(tmp_path, ggufs, monkeypatch):
     """Narrow page-cache rows (34 B, Q8_0 of 32) of a batch of at least COPY_PER_THREAD rows a thread are copied out
-    of the mapping by native threads, each a contiguous part: the rows equal the file's, and every one came from
-    the page cache."""
+    of the mapping by native threads: the rows equal the file's, and every one came from the page cache."""
     from gds_gather import native, pagecache
     if native.library()[0] is None:
         pytest.skip("no native helpers (C compiler)")
