@@ -87,13 +87,16 @@ def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
             "peak_forward": b["VmHWM"], "logit0": float(logits.float()[0, -1, 0])}
 
 
-def run_cases(model_dir, tokens: int = 2048, jobs: int = 1) -> dict:
-    """{case: measure_case in a fresh Python process}, `jobs` processes at a time (each measures only itself)."""
+def run_cases(model_dir, tokens: int = 2048, jobs: int = 1, threads: int | None = None) -> dict:
+    """{case: measure_case in a fresh Python process}, `jobs` processes at a time (each measures only itself).
+    threads: torch's CPU threads in each (OMP_NUM_THREADS): with several, a float32 forward on a busy machine gives
+    one of two logits from run to run, resident or offloaded alike (docs/decisions.md); 1 makes them comparable."""
     from concurrent.futures import ThreadPoolExecutor
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
 
     def one(case):
         out = subprocess.run([sys.executable, __file__, "case", case, str(model_dir), "--tokens", str(tokens)],
-                             check=True, capture_output=True, text=True)
+                             check=True, capture_output=True, text=True, env=env)
         return json.loads(out.stdout.strip().splitlines()[-1])
     with ThreadPoolExecutor(jobs) as ex:
         return dict(zip(CASES, ex.map(one, CASES)))
