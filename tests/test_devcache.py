@@ -139,7 +139,7 @@ def _device(item, pool, fresh, dc, raw, rb):
 batches = st.lists(st.lists(st.integers(0, N_ROWS - 1), max_size=120), min_size=1, max_size=12)
 
 
-@SETTINGS
+@settings(SETTINGS, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 @given(batches=batches, budget=st.integers(0, 60_000), mode=st.sampled_from(["copy", "gds"]),
        lag=st.integers(0, 1))
 def test_any_batches_give_the_files_rows_within_budget(table, batches, budget, mode, lag):
