@@ -236,7 +236,8 @@ void gg_sketch_min(const uint8_t *table, int64_t width, int shift, const uint64_
                    int64_t n, uint8_t *out) {
     for (int64_t i = 0; i < n; i++) {
         if (i + GG_AHEAD < n)
-            for (int d = 0; d < 4; d++) GG_PREFETCH(&table[d * width + (((uint64_t)k[i + GG_AHEAD] * seeds[d]) >> shift)], 0);
+            for (int d = 0; d < 4; d++)
+                GG_PREFETCH(&table[d * width + (((uint64_t)k[i + GG_AHEAD] * seeds[d]) >> shift)], 0);
         uint8_t m = 255;
         for (int d = 0; d < 4; d++) {
             uint8_t c = table[d * width + (((uint64_t)k[i] * seeds[d]) >> shift)];

@@ -70,6 +70,11 @@ PREAD_THREADS, PREAD_PER_THREAD = 4, 64
 COPY_PER_THREAD = 4096
 
 
+def _threads(n: int, per_thread: int) -> int:
+    """Native threads for n pieces of work: one per `per_thread`, at least 1, at most PREAD_THREADS and the cores."""
+    return max(1, min(PREAD_THREADS, os.cpu_count() or 1, n // per_thread))
+
+
 class Residency:
     """Which pages of [data_offset, data_offset + n_bytes) of `path` are in the page cache (see module doc)."""
 
@@ -253,7 +258,7 @@ class Residency:
         docs/decisions.md), by several threads for a large batch, as is everything where the native helpers are
         missing (by one)."""
         if row_bytes < PREAD_MIN_ROW or self._lib is None:
-            threads = min(PREAD_THREADS, os.cpu_count() or 1, rows.shape[0] // COPY_PER_THREAD)
+            threads = _threads(rows.shape[0], COPY_PER_THREAD)
             if self._lib is not None and threads > 1:
                 native.copy_rows(self._lib, self.table, rows * row_bytes, out, threads=threads)
                 return
@@ -262,8 +267,8 @@ class Residency:
             return
         from .planner import row_runs
         offs, lens, dst = row_runs(rows, row_bytes, self.data_offset)
-        threads = max(1, min(PREAD_THREADS, os.cpu_count() or 1, offs.shape[0] // PREAD_PER_THREAD))
-        idx, code = native.pread_pool(self._lib, self._rfd, offs, lens, lens, out, dst, threads=threads)
+        idx, code = native.pread_pool(self._lib, self._rfd, offs, lens, lens, out, dst,
+                                      threads=_threads(offs.shape[0], PREAD_PER_THREAD))
         if idx >= 0:
             raise ReadError(f"{self.path}: reading page-cache rows at offset {int(offs[idx])} failed: "
                             f"{os.strerror(code) if code > 0 else 'unexpected end of file'}")

@@ -4,9 +4,9 @@ Per table, in rounds (--repeat), the backends taking turns: (a) cold: the table'
 cache, a new Table; (b) again: the same open Table, more passes over the same trace (a row cache pays off here;
 mmap's mapping is warm); (c) warm: a new Table on the same file whose trace pages are now in the page cache (or on
 a tmpfs copy with --warm tmpfs), in sweeps across the backends; then the passes in new processes (newproc,
-restart). Passes (b) and (c) last a few ms: each round takes --samples of them. Each pass reports rows/s, ns per gather, the bytes requested and the bytes the
-storage delivered (/proc/self/io, and the block device's counter), page-cache growth and the row cache's
-figures where the Table has them (Table.stats()).
+restart). Passes (b) and (c) last a few ms: each round takes --samples of them. Each pass reports rows/s, ns per
+gather, the bytes requested and the bytes the storage delivered (/proc/self/io, and the block device's counter),
+page-cache growth and the row cache's figures where the Table has them (Table.stats()).
 """
 from __future__ import annotations
 
