@@ -8,7 +8,12 @@ windows are queued on a ring of the prefetch's own, with no thread. The next rea
 into their slots, so it finds them as row-cache hits; meanwhile the device has read them while the current batch's
 rows were copied out and the caller used them, as llama.cpp's readahead issues its hints from set_input. Only the
 engine's O_DIRECT reader on io_uring prefetches, with a row cache (rowcache.CACHED_BACKENDS), and not while the
-page cache serves the file or for a next batch wider than MAX_WINDOWS; otherwise prefetch does nothing.
+page cache serves the file; otherwise prefetch does nothing.
+
+Narrow rows share 4 KiB windows: the next batch's misses that the last read's windows hold whole are taken from the
+reader's staging into the row cache when noted (staged()), and asks no request of their own. A next batch wider than
+MAX_WINDOWS keeps the device busy by itself: reading it ahead only reorders the device's work (docs/decisions.md);
+its misses ride along the current read instead: those its windows hold are taken the same way once it is done.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ class Prefetcher:
         self.table, self.reader = table, reader
         self.ring = None
         self.noted = np.empty(0, np.int64)      # rows handed over and not started yet
+        self.riders = np.empty(0, np.int64)     # a wide next batch's misses: taken from the current read's windows
         self.jobs: list[Job] = []               # in flight, oldest first
         self.free: list[Staging] = []
         self.io = {"rows_prefetched": 0, "bytes_requested": 0}
@@ -81,25 +87,45 @@ class Prefetcher:
 
     def note(self, ids: np.ndarray) -> int:
         """The next batch's row ids (int64, valid, in any order, repeats allowed); returns how many rows will be
-        read ahead: those the row cache lacks now; none where they are more than MAX_WINDOWS, or while the page
-        cache serves the file (the last read took most of its rows from it). Rows noted before and not started
-        yet are started first. Only the misses are sorted (a batch the cache holds costs one look-up)."""
+        read ahead: those the row cache lacks now and the last read's windows did not hold (those are taken from
+        them now, see staged()); none where they are more than MAX_WINDOWS (they ride along the current read), or
+        while the page cache serves the file (the last read took most of its rows from it). Rows noted before and
+        not started yet are started first. Only the misses are sorted (a batch the cache holds costs one
+        look-up)."""
         cache = rowcache.cache_for(self.table)
         if cache is None or self.declines():
             return 0
+        with cache.lock:
+            missing = ids[cache.cached(ids) < 0]
+        if missing.shape[0]:
+            missing.sort()
+            missing = missing[np.r_[True, missing[1:] != missing[:-1]]]
+            missing = missing[~self.staged(missing, cache)]
         with self.lock:
             self.open()
             if self.noted.shape[0]:
                 self._start(self.noted, np.empty(0, np.int64))
-            with cache.lock:
-                missing = ids[cache.cached(ids) < 0]
-            if missing.shape[0]:
-                missing.sort()
-                missing = missing[np.r_[True, missing[1:] != missing[:-1]]]
-            if missing.shape[0] > MAX_WINDOWS:   # a batch this wide keeps the device busy by itself: prefetching
-                return 0                         # it only reorders the device's work (docs/decisions.md)
-            self.noted = missing
+            if missing.shape[0] > MAX_WINDOWS:   # too wide to read ahead: its rows ride along
+                self.noted, self.riders = np.empty(0, np.int64), missing
+                return 0
+            self.noted, self.riders = missing, np.empty(0, np.int64)
             return int(missing.shape[0])
+
+    def staged(self, rows: np.ndarray, cache: rowcache.RowCache) -> np.ndarray:
+        """bool [len(rows)]: which of the sorted unique rows the reader's last read left whole in its staging
+        (narrow rows share 4 KiB windows) and are now in the row cache, counted as prefetched: no request of their
+        own. Called without self.lock (the reader's lock comes first: a read calls also() under it)."""
+        taken = np.zeros(rows.shape[0], bool)
+
+        def take(pos: np.ndarray, at: RowsAt) -> None:
+            with cache.lock:
+                taken[pos[cache.admit(rows[pos], at) >= 0]] = True
+        self.reader.rows_in_staging(rows, self.table.row_bytes, take)
+        n = int(np.count_nonzero(taken))
+        if n:
+            with self.lock:
+                self.io["rows_prefetched"] += n
+        return taken
 
     def around(self, rows: np.ndarray, read):
         """read(also): the table's read of the sorted unique `rows` through the row cache, with the prefetches'
@@ -122,7 +148,17 @@ class Prefetcher:
         out = read(also)
         if also is not None:
             also()
+        if self.riders.shape[0]:
+            self._ride(rows)
         return out
+
+    def _ride(self, rows: np.ndarray) -> None:
+        """The riders (less `rows`, the read's own) that the read's windows held: into the row cache."""
+        with self.lock:
+            riders, self.riders = self.riders, np.empty(0, np.int64)
+        cache = rowcache.cache_for(self.table)
+        if cache is not None and not self.declines():
+            self.staged(riders[~member(riders, rows)], cache)
 
     def declines(self) -> bool:
         """Whether to read nothing ahead now: the last read (of 16 rows or more: not a start-up's or a decode
@@ -136,7 +172,8 @@ class Prefetcher:
         """In a forked child the ring and its reads are the parent's: forget them (their slots come back by
         themselves: rowcache's reclaim of reservations nobody holds)."""
         if self.ring is not None and self.ring.foreign:
-            self.ring, self.jobs, self.free, self.noted = None, [], [], np.empty(0, np.int64)
+            self.ring, self.jobs, self.free = None, [], []
+            self.noted = self.riders = np.empty(0, np.int64)
 
     def _start(self, rows: np.ndarray, exclude: np.ndarray) -> None:
         """Reserve slots for those of `rows` that are neither in `exclude`, cached, being read nor in the page
@@ -220,7 +257,8 @@ class Prefetcher:
 
     def close(self) -> None:
         with self.lock:
-            jobs, self.jobs, self.noted = self.jobs, [], np.empty(0, np.int64)
+            jobs, self.jobs = self.jobs, []
+            self.noted = self.riders = np.empty(0, np.int64)
             try:
                 if self.ring is not None:
                     self.ring.close()           # reaps every read in flight: none lands in a staging after this

@@ -403,6 +403,8 @@ class _FdReader(Reader):
         self.inject = None          # tests: fault injection (io_uring: callable(res, idx); threads: (index, errno))
         self._pc = None             # pagecache.Residency of an O_DIRECT reader with page-cache reads
         self.last_from_page_cache = None   # bool [U] of the last O_DIRECT fetch: rows copied from the page cache
+        self.staged = None          # (file offsets, bytes, staging offsets) of the windows the last O_DIRECT read left
+        #                             whole in staging; None after any other read (rows_in_staging)
         self.during_io = None       # read(plan, during_io=f): f() runs once while the reads are in flight
         self._native = native.library(self.config)[0]     # rows out of staging with no temporary (None: numpy copies)
         self._lock = threading.RLock()
@@ -450,6 +452,7 @@ class _FdReader(Reader):
         compact (offsets = u * row_bytes). A GPU kernel can read them right there.
         """
         with self._lock:
+            self.staged = None
             self.check_file()
             return self._fetch_checked(plan, self._resident(plan) if self.odirect else None)
 
@@ -462,6 +465,7 @@ class _FdReader(Reader):
             staging = self.staging.ensure(plan.window_bytes)
             self.last_from_page_cache = None
             self._submit(plan.win_offsets, plan.win_lengths, end - plan.win_offsets, staging, plan.win_staging)
+            self.staged = (plan.win_offsets, end - plan.win_offsets, plan.win_staging)
             self.bytes_read += int((end - plan.win_offsets).sum())   # a window past the end of file stops there
             self.rows_from_device += plan.n_unique
             return staging, plan.row_staging
@@ -505,7 +509,9 @@ class _FdReader(Reader):
         npc = int(pc.sum())
         staging = self.staging.ensure(base + npc * rb)
         self.last_from_page_cache = pc
-        self._submit(offs, lens, np.minimum(offs + lens, self.file_size) - offs, staging, wst)
+        got = np.minimum(offs + lens, self.file_size) - offs
+        self._submit(offs, lens, got, staging, wst)
+        self.staged = (offs, got, wst)
         self._pc.take(plan.unique_rows[pc], rb, staging[base:base + npc * rb].reshape(npc, rb))
         out = np.empty(plan.n_unique, np.int64)
         d = ~pc
@@ -516,6 +522,24 @@ class _FdReader(Reader):
         self.rows_from_page_cache += npc
         self.rows_from_device += plan.n_unique - npc
         return staging, out
+
+    def rows_in_staging(self, rows: np.ndarray, row_bytes: int, take) -> int:
+        """take(pos, at): those of the sorted table rows `rows` that the last O_DIRECT read's windows hold whole,
+        at positions pos, as a native.RowsAt into staging, valid during the call (made under this reader's lock: no
+        other read reuses the staging meanwhile); returns how many. The device delivered them with the rows that
+        read asked for: taking them costs no request (prefetch.py's riders)."""
+        with self._lock:
+            if self.staged is None or not rows.shape[0] or not self.staged[0].shape[0]:
+                return 0
+            offs, got, at_staging = self.staged
+            at = self.data_offset + rows * row_bytes
+            w = np.maximum(np.searchsorted(offs, at, "right") - 1, 0)
+            pos = np.flatnonzero((at >= offs[w]) & (at + row_bytes <= offs[w] + got[w]))
+            if pos.shape[0]:
+                w = w[pos]
+                take(pos, native.RowsAt(self.staging.buf, at_staging[w] + (at[pos] - offs[w]), row_bytes,
+                                        self._native))
+            return int(pos.shape[0])
 
     def _run_during_io(self) -> None:
         fn, self.during_io = self.during_io, None
@@ -538,6 +562,7 @@ class _FdReader(Reader):
                 self.during_io = None
 
     def _read_locked(self, plan: ReadPlan, on_rows=None) -> np.ndarray | None:
+        self.staged = None
         self.check_file()
         res = self._resident(plan) if self.odirect else None    # looked up once, for the copy or the fetch
         if res is not None and res.all():          # all resident: one copy, no staging; no read: no during_io
@@ -581,6 +606,7 @@ class _FdReader(Reader):
         self._submit(offs, lens, expect, staging, plan.win_staging,
                      handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER],
                                lambda done: hand(np.flatnonzero(done[rw] & ~handed))))
+        self.staged = (offs, expect, plan.win_staging)
         self.bytes_read += int(expect.sum())
         self.rows_from_device += U
         rest = np.flatnonzero(~handed)
@@ -601,6 +627,7 @@ class _FdReader(Reader):
                     _release_staging(self.staging)
             finally:                        # a staging that fails to close (unpin) still lets the fd go
                 self.staging = Staging()    # (a second close must not pool the same buffer twice)
+                self.staged = None
                 if self._pc is not None:
                     self._pc.close()
                     self._pc = None
