@@ -216,11 +216,14 @@ def summary_lines(res: dict) -> list[str]:
              f"speed     {res['ple_rows_per_s'] or 0:,.0f} PLE rows/s (over the PLE step's time); {tok}",
              f"rows      {res['ple_rows']:,} PLE rows, {res['unique_rows']:,} unique after per-ubatch dedup "
              f"({res['unique_rows'] / max(res['ple_rows'], 1):.1%})"]
-    src = f"sources   {res['rows_from_cache']:,} from the row cache (hit rate {res['cache_hit_rate']:.1%}), "
+    pf = res.get("rows_prefetched") or 0
+    ahead = f"; {pf:,} of them read ahead from the device" if pf else ""
+    incl = f" (the {pf:,} read ahead included)" if pf else ""
+    src = f"sources   {res['rows_from_cache']:,} from the row cache (hit rate {res['cache_hit_rate']:.1%}{ahead}), "
     lines.append(src + (f"{res['rows_buffered']:,} from the table in memory (resident)"
                         if res["backend"] == "resident" else
                         f"{res['rows_from_page_cache']:,} from the page cache, {res['rows_from_device']:,} from "
-                        "the device" if res["sources_known"] else
+                        f"the device{incl}" if res["sources_known"] else
                         f"{res['rows_buffered']:,} from the file (page cache or device: this backend cannot tell)"))
     needed, req, dl, dv = res["bytes_needed"], res["bytes_requested"], res["bytes_delivered"], res["bytes_device"]
     amp = res["read_amplification"]
