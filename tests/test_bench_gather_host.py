@@ -137,3 +137,24 @@ def test_a_priming_round_first_then_the_backends_take_turns(tmp_path, capsys, mo
     assert res["primed"] is prime and (set(t.get("prime", {})) == ({"direct", "mmap"} if prime else set()))
     assert ("priming round (untimed, cold" in out) is prime and ("an untimed priming round" in out) is prime
     assert all(v > 0 for v in t.get("prime", {}).values())
+
+
+def test_cold_ratio_round_by_round(tmp_path, capsys):
+    """Beside the ratio of the two medians (the target's), the cold line gives direct / the best baseline round by
+    round (each round's passes close in time: the VM's drift within a run cancels), how many rounds direct led and
+    their median."""
+    table = tmp_path / "e4b.gguf"
+    write_model(table, "gemma4-e4b", rows=256)
+    res = benches.gather_main(["--file", str(table), "--tokens", "128", "--ubatch", "64", "--repeat", "3",
+                               "--no-again", "--no-warm", "--no-newproc", "--no-restart", "--no-fio", "--no-prime",
+                               "--backends", "direct,readahead", "--out", str(tmp_path)])
+    out = " ".join(capsys.readouterr().out.split())
+    (t,) = res["tables"]
+    cold = {r["backend"]: r["rows_per_s_all"] for r in t["runs"] if r["cache"] == "cold"}
+    want = [d / r for d, r in zip(cold["direct"], cold["readahead"])]
+    got = t["ratios"]["cold"]
+    assert got["vs"] == "readahead" and got["per_round"] == pytest.approx(want) and len(want) == 3
+    led = sum(x >= 1 for x in want)
+    assert (f"round by round {' '.join(f'{x:.2f}' for x in want)} (direct ahead in {led} of 3, median "
+            f"{sorted(want)[1]:.2f}x)") in out
+    assert got["ratio"] == pytest.approx(sorted(cold["direct"])[1] / sorted(cold["readahead"])[1])

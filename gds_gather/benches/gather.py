@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -542,6 +543,16 @@ def _fio_tmpfs(path, a, jobs) -> dict | None:
     return f
 
 
+def _per_round(d: dict, other: dict) -> list[float] | None:
+    """direct / the other backend, round by round (the cold passes: one per backend a round, the order rotating),
+    where both have every round: a paired view that the VM's drift within a run does not move as it moves the
+    ratio of two medians."""
+    x, y = d.get("rows_per_s_all") or [], other.get("rows_per_s_all") or []
+    if len(x) < 2 or len(x) != len(y) or not all(y):
+        return None
+    return [u / v for u, v in zip(x, y)]
+
+
 def _ratios(out: dict, med: dict, geo: dict, a) -> None:
     """Ratios against baselines measured in the same run: direct vs the other backends per pass (with their
     targets), direct vs fio's IOPS on the same file, and the --targets ones (cold direct vs mmap, pread, fio)."""
@@ -554,8 +565,11 @@ def _ratios(out: dict, med: dict, geo: dict, a) -> None:
             continue
         best, v = max(have, key=lambda x: x[1])
         name = f"{p}: direct / " + (f"best of {'/'.join(o for o, _ in have)} ({best})" if len(have) > 1 else best)
-        print(ratio_line(name, d["rows_per_s"], v, target(a, tgt)))
-        out["ratios"][p] = {"vs": best, "ratio": d["rows_per_s"] / v, "target": target(a, tgt)}
+        rounds = _per_round(d, med[(best, p)]) if p == "cold" else None
+        note = "" if not rounds else (f"; round by round {' '.join(f'{x:.2f}' for x in rounds)} (direct ahead in "
+                                      f"{sum(x >= 1 for x in rounds)} of {len(rounds)}, median {median(rounds):.2f}x)")
+        print(ratio_line(name, d["rows_per_s"], v, target(a, tgt), note))
+        out["ratios"][p] = {"vs": best, "ratio": d["rows_per_s"] / v, "target": target(a, tgt), "per_round": rounds}
     d = med.get(("direct", "cold"))
     for bs in sorted({4096, geo["window"]}):
         f = out["fio"].get(f"cold_{bs}") or {}
