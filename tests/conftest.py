@@ -143,6 +143,16 @@ def bench_sandbox(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def fresh_row_caches():
+    """Every row cache emptied before the test (a truly cold start) and after it (none left to the next); modules
+    ask for it with pytestmark = pytest.mark.usefixtures("fresh_row_caches")."""
+    from gds_gather import rowcache
+    rowcache.drop_all()
+    yield
+    rowcache.drop_all()
+
+
+@pytest.fixture
 def small_table(tmp_path):
     """A 300-row IQ4_NL table of width 160 (90 B rows; several straddle 4 KiB blocks)."""
     rows = valid_rows(Q.IQ4_NL, 300, 160, seed=1)

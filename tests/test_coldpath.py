@@ -27,11 +27,7 @@ def wide(tmp_path_factory, ggufs):
     return path, raw
 
 
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    rowcache.drop_all()
-    yield
-    rowcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_row_caches")
 
 
 def test_wide_rows_are_windowed_at_the_logical_block(monkeypatch, wide):

@@ -19,20 +19,14 @@ from gds_gather import prefetch, rowcache, uring
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-pytestmark = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here: prefetch does nothing")
+pytestmark = [pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here: prefetch does nothing"),
+              pytest.mark.usefixtures("fresh_row_caches")]
 
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory, ggufs):
     """(path, raw rows as the file holds them, gguf's dequantization of the table)."""
     return ggufs.table(tmp_path_factory.mktemp("pf") / "pf.gguf", N_ROWS, seed=5)
-
-
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    rowcache.drop_all()
-    yield
-    rowcache.drop_all()
 
 
 def _cfg(budget=1 << 20, **kw):

@@ -24,11 +24,7 @@ def table(tmp_path_factory, ggufs):
     return ggufs.table(tmp_path_factory.mktemp("rc") / "rc.gguf", N_ROWS, seed=3)
 
 
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    rowcache.drop_all()
-    yield
-    rowcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_row_caches")
 
 
 batches = st.lists(st.lists(st.integers(0, N_ROWS - 1), max_size=150), min_size=1, max_size=10)

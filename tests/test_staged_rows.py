@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import measure, native, prefetch, rowcache, uring
+from gds_gather import measure, native, prefetch, uring
 
 N_ROWS = 2000            # IQ4_NL width 160: 90 B rows, ~45 to a 4 KiB page, some straddling two
 
@@ -24,11 +24,7 @@ def table(tmp_path_factory, ggufs):
     return path, raw
 
 
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    rowcache.drop_all()
-    yield
-    rowcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_row_caches")
 
 
 def _cfg(**kw):

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather import rowcache
 from gds_gather.accel import HostArray
 from gds_gather.errors import BadIdsError, TruncatedFileError
 
@@ -21,11 +20,7 @@ def table(tmp_path, ggufs):
     return ggufs.table(tmp_path / "t.gguf", 300, seed=11)
 
 
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    rowcache.drop_all()
-    yield
-    rowcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_row_caches")
 
 
 def host_device(**kw) -> gg.Config:
