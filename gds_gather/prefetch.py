@@ -11,9 +11,10 @@ engine's O_DIRECT reader on io_uring prefetches, with a row cache (rowcache.CACH
 page cache serves the file; otherwise prefetch does nothing.
 
 Narrow rows share 4 KiB windows: the next batch's misses that the last read's windows hold whole are taken from the
-reader's staging into the row cache when noted (staged()), and asks no request of their own. A next batch wider than
-MAX_WINDOWS keeps the device busy by itself: reading it ahead only reorders the device's work (docs/decisions.md);
-its misses ride along the current read instead: those its windows hold are taken the same way once it is done.
+reader's staging into the row cache when noted (take_staged()), and ask no request of their own. A next batch wider
+than MAX_WINDOWS keeps the device busy by itself: reading it ahead only reorders the device's work
+(docs/decisions.md); its misses ride along the current read instead: those its windows hold are taken the same way
+once it is done.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ class Prefetcher:
     def note(self, ids: np.ndarray) -> int:
         """The next batch's row ids (int64, valid, in any order, repeats allowed); returns how many rows will be
         read ahead: those the row cache lacks now and the last read's windows did not hold (those are taken from
-        them now, see staged()); none where they are more than MAX_WINDOWS (they ride along the current read), or
+        them now, see take_staged()); none where they are more than MAX_WINDOWS (they ride along the current read), or
         while the page cache serves the file (the last read took most of its rows from it). Rows noted before and
         not started yet are started first. Only the misses are sorted (a batch the cache holds costs one
         look-up)."""
@@ -100,7 +101,7 @@ class Prefetcher:
         if missing.shape[0]:
             missing.sort()
             missing = missing[np.r_[True, missing[1:] != missing[:-1]]]
-            missing = missing[~self.staged(missing, cache)]
+            missing = missing[~self.take_staged(missing, cache)]
         with self.lock:
             self.open()
             if self.noted.shape[0]:
@@ -111,7 +112,7 @@ class Prefetcher:
             self.noted, self.riders = missing, np.empty(0, np.int64)
             return int(missing.shape[0])
 
-    def staged(self, rows: np.ndarray, cache: rowcache.RowCache) -> np.ndarray:
+    def take_staged(self, rows: np.ndarray, cache: rowcache.RowCache) -> np.ndarray:
         """bool [len(rows)]: which of the sorted unique rows the reader's last read left whole in its staging
         (narrow rows share 4 KiB windows) and are now in the row cache, counted as prefetched: no request of their
         own. Called without self.lock (the reader's lock comes first: a read calls also() under it)."""
@@ -158,7 +159,7 @@ class Prefetcher:
             riders, self.riders = self.riders, np.empty(0, np.int64)
         cache = rowcache.cache_for(self.table)
         if cache is not None and not self.declines():
-            self.staged(riders[~member(riders, rows)], cache)
+            self.take_staged(riders[~member(riders, rows)], cache)
 
     def declines(self) -> bool:
         """Whether to read nothing ahead now: the last read (of 16 rows or more: not a start-up's or a decode

@@ -445,6 +445,15 @@ class _FdReader(Reader):
     def _submit(self, offsets, lengths, expect, dst: np.ndarray, dst_offsets, handover=None) -> None:
         raise NotImplementedError
 
+    def _submit_windows(self, offs, lens, staging: np.ndarray, at, handover=None) -> np.ndarray:
+        """Read the O_DIRECT windows [offs, offs + lens) into staging at byte offsets `at`; once they are all in,
+        they are what rows_in_staging offers. Returns the bytes each window holds (one past the end of the file
+        stops there)."""
+        got = np.minimum(offs + lens, self.file_size) - offs
+        self._submit(offs, lens, got, staging, at, handover)
+        self.staged = (offs, got, at)
+        return got
+
     def fetch(self, plan: ReadPlan) -> tuple[np.ndarray, np.ndarray]:
         """Read the plan's rows into staging; (staging, byte offset of each unique row in it).
 
@@ -461,12 +470,10 @@ class _FdReader(Reader):
         if self.odirect:
             if res is not None and res.any():
                 return self._fetch_mixed(plan, res)
-            end = np.minimum(plan.win_offsets + plan.win_lengths, self.file_size)
             staging = self.staging.ensure(plan.window_bytes)
             self.last_from_page_cache = None
-            self._submit(plan.win_offsets, plan.win_lengths, end - plan.win_offsets, staging, plan.win_staging)
-            self.staged = (plan.win_offsets, end - plan.win_offsets, plan.win_staging)
-            self.bytes_read += int((end - plan.win_offsets).sum())   # a window past the end of file stops there
+            got = self._submit_windows(plan.win_offsets, plan.win_lengths, staging, plan.win_staging)
+            self.bytes_read += int(got.sum())
             self.rows_from_device += plan.n_unique
             return staging, plan.row_staging
         n = plan.n_unique * plan.row_bytes
@@ -509,9 +516,7 @@ class _FdReader(Reader):
         npc = int(pc.sum())
         staging = self.staging.ensure(base + npc * rb)
         self.last_from_page_cache = pc
-        got = np.minimum(offs + lens, self.file_size) - offs
-        self._submit(offs, lens, got, staging, wst)
-        self.staged = (offs, got, wst)
+        self._submit_windows(offs, lens, staging, wst)
         self._pc.take(plan.unique_rows[pc], rb, staging[base:base + npc * rb].reshape(npc, rb))
         out = np.empty(plan.n_unique, np.int64)
         d = ~pc
@@ -596,18 +601,16 @@ class _FdReader(Reader):
         rw, U = plan.row_window, plan.n_unique
         staging = self.staging.ensure(plan.window_bytes)
         offs, lens = plan.win_offsets, plan.win_lengths
-        expect = np.minimum(offs + lens, self.file_size) - offs  # a window past the end of file stops there
         self.last_from_page_cache = None
         handed = np.zeros(U, bool)
 
         def hand(pos: np.ndarray) -> None:
             handed[pos] = True
             on_rows(pos, native.RowsAt(staging, plan.row_staging[pos], plan.row_bytes, self._native))
-        self._submit(offs, lens, expect, staging, plan.win_staging,
-                     handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER],
-                               lambda done: hand(np.flatnonzero(done[rw] & ~handed))))
-        self.staged = (offs, expect, plan.win_staging)
-        self.bytes_read += int(expect.sum())
+        got = self._submit_windows(offs, lens, staging, plan.win_staging,
+                                   handover=([max(1, int(plan.n_windows * f)) for f in HANDOVER],
+                                             lambda done: hand(np.flatnonzero(done[rw] & ~handed))))
+        self.bytes_read += int(got.sum())
         self.rows_from_device += U
         rest = np.flatnonzero(~handed)
         if rest.shape[0]:
