@@ -21,26 +21,38 @@ from .config import Config
 
 log = logging.getLogger(__name__)
 
+built: list[str] = []       # the libraries this process compiled (a start-up that ran the compiler; benches report it)
 
-@functools.cache
-def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
+
+def build(cache_dir) -> tuple[Path | None, str]:
+    """(the library file under cache_dir/native, built now if it is not there; or None, why)."""
     src = resources.files("gds_gather").joinpath("native.c").read_bytes()
     tag = hashlib.sha256(src).hexdigest()[:16]
     so = Path(cache_dir) / "native" / f"libggnative-{tag}.so"
-    if not so.exists():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if not cc:
-            return None, "no C compiler (cc) to build the native helpers"
-        so.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            c = Path(tmp) / "native.c"
-            c.write_bytes(src)
-            out = Path(tmp) / so.name
-            r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", str(c), "-o", str(out)],
-                               capture_output=True, text=True)
-            if r.returncode:
-                return None, f"building the native helpers failed: {r.stderr.strip()[:300]}"
-            os.replace(out, so)     # atomic: concurrent first uses do not see a half-written library
+    if so.exists():
+        return so, ""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None, "no C compiler (cc) to build the native helpers"
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Path(tmp) / "native.c"
+        c.write_bytes(src)
+        out = Path(tmp) / so.name
+        r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", str(c), "-o", str(out)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            return None, f"building the native helpers failed: {r.stderr.strip()[:300]}"
+        os.replace(out, so)     # atomic: concurrent first uses do not see a half-written library
+    built.append(str(so))
+    return so, ""
+
+
+@functools.cache
+def _load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
+    so, why = build(cache_dir)
+    if so is None:
+        return None, why
     lib = ctypes.CDLL(str(so))
     # arrays go as addresses (ndarray.ctypes.data): ndarray.ctypes.data_as costs several microseconds a call
     lib.gg_pread_pool.restype = ctypes.c_int64

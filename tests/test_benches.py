@@ -183,6 +183,9 @@ def test_gather_bench_tiny(tmp_path, capsys):
         # the new processes: engine start-up timed apart; the restart after direct's cold pass found its hot rows,
         # the new process on a warm box had none (the files were removed) and read the page cache instead
         assert got[("direct", "restart")]["hot_rows_loaded"] > 0 and got[("direct", "newproc")]["hot_rows_loaded"] == 0
+        # ... and found the native helpers built, as a user's new process does (no compiler run before the pass)
+        assert not any(got[(b, p)]["native_built"] for b in ("direct", "pread", "readahead")
+                       for p in ("newproc", "restart"))
         assert got[("direct", "newproc")]["row_cache"]["rows_from_page_cache"] > 0
         assert got[("direct", "restart")]["row_cache"]["rows_from_cache"] > 0
         assert t["ratios"]["cold"]["target"] is None and t["ratios"]["again"]["vs"] == "mmap"   # --quick: no targets

@@ -596,3 +596,22 @@ def test_staging_of_a_closed_reader_is_reused_once(small_table):
         assert addr in (sa.buf.ctypes.data, sb.buf.ctypes.data)
     readers.release_staging_pool()
     assert not readers._POOL
+
+
+def test_native_build_once_per_cache_dir(tmp_path, monkeypatch):
+    """native.build compiles the helpers into <cache_dir>/native once (recorded in native.built) and then finds
+    them there; a process loading them from that directory runs no compiler (what a new process's start-up
+    costs); with no compiler it says so and builds nothing."""
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(native, "built", [])
+    so, why = native.build(tmp_path / "c")
+    assert so is not None and so.is_file() and so.parent == tmp_path / "c" / "native" and why == ""
+    assert native.built == [str(so)]
+    assert native.build(tmp_path / "c") == (so, "") and native.built == [str(so)]       # found, not rebuilt
+    lib, why = native.library(gg.Config(cache_dir=tmp_path / "c"))
+    assert lib is not None and native.built == [str(so)]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    assert native.build(tmp_path / "d") == (None, "no C compiler (cc) to build the native helpers")
+    assert not (tmp_path / "d" / "native").exists() or not any((tmp_path / "d" / "native").iterdir())

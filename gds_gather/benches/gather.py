@@ -19,7 +19,7 @@ from statistics import median
 
 import numpy as np
 
-from .. import measure
+from .. import measure, native
 from ..config import Config
 from .plot import bars, figure, panel_series
 from .report import (GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, block_device, cold_method,
@@ -247,7 +247,9 @@ def gather_line(r: dict) -> str:
     spread = f"  (of {len(every)}: {short_num(min(every))}-{short_num(max(every))})" if len(every) > 1 else ""
     return (f"  {r['backend']:<11} {r['cache']:<7} {r['ns_per_gather']:>9,.0f} ns/gather {r['rows_per_s']:>12,.0f} "
             f"rows/s{spread}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms\n"
-            + fit((f"      start-up {r['startup_s'] * 1e3:,.0f} ms, {r['hot_rows_loaded']:,} hot rows;"
+            + fit((f"      start-up {r['startup_s'] * 1e3:,.0f} ms"
+                   f"{' (it built the native helpers)' if r.get('native_built') else ''},"
+                   f" {r['hot_rows_loaded']:,} hot rows;"
                    if "startup_s" in r else "     ")
                   + f" MiB requested {_mib(r['bytes_requested'])} delivered {_mib(r['bytes_delivered'])} "
                   f"device {_mib(r['bytes_device'])}  ampl {_x(r['ampl_delivered'])}  majflt {r['major_faults']:,.0f}"
@@ -378,7 +380,8 @@ def child_main(argv: list[str]) -> None:
     startup = time.perf_counter() - t0
     try:
         r = gather_pass(t, b, trace)          # (the untimed pass that primes a restart runs it too)
-        r.update(startup_s=startup, hot_rows_loaded=(table_stats(t) or {}).get("hot_rows_loaded", 0))
+        r.update(startup_s=startup, hot_rows_loaded=(table_stats(t) or {}).get("hot_rows_loaded", 0),
+                 native_built=bool(native.built))
     finally:
         t.close()                     # (writes the hot rows, as a user's process does at close)
     print(json.dumps(r, default=float))
@@ -389,11 +392,11 @@ def new_process_passes(path: Path, b: str, a, cfg: Config, trace_file: Path, hot
     no hot rows) and restart (after this backend's own cold pass in the process before)."""
     out = {}
     for p in passes:
-        shutil.rmtree(hot_dir, ignore_errors=True)
+        shutil.rmtree(hot_dir / "hot", ignore_errors=True)    # (the native helpers built there stay, see _gather_table)
         go_cold(path, a.drop_caches)
         child_pass(path, "mmap" if p == "newproc" else b, trace_file, cfg, hot_dir)     # untimed: the process before
         if p == "newproc":
-            shutil.rmtree(hot_dir, ignore_errors=True)
+            shutil.rmtree(hot_dir / "hot", ignore_errors=True)
         before = measure.resident_bytes(path)
         out[p] = r = child_pass(path, b, trace_file, cfg, hot_dir)
         r["page_cache_before_MiB"] = before / MiB
@@ -438,6 +441,9 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
     if newp:
         scratch.mkdir(parents=True, exist_ok=True)
         np.savez(trace_file, **{str(k): x for k, x in enumerate(trace)})
+        # the children's cache directory holds their hot rows; the native helpers are built into it once, here, as
+        # a user's new process finds them built (else each child's start-up would be a compiler run)
+        native.build(hot_dir)
     try:
         if "cold" in passes and not a.no_prime:
             out["prime"] = prime_round(path, backends, a, cfg, trace, stream)
