@@ -48,10 +48,15 @@ class Target:
                    table.config)
 
 
+def directory(cache_dir) -> Path:
+    """Where the hot-row files of a cache directory live (one <digest>.rows per table)."""
+    return Path(cache_dir) / "hot"
+
+
 def path_for(table) -> Path:
     """Where the hot rows of this table live: <cache_dir>/hot/<digest of path, data offset, row size>.rows."""
     key = f"{os.path.realpath(table.path)}\0{table.data_offset}\0{table.row_bytes}".encode()
-    return Path(table.config.cache_dir) / "hot" / (hashlib.sha256(key).hexdigest()[:24] + ".rows")
+    return directory(table.config.cache_dir) / (hashlib.sha256(key).hexdigest()[:24] + ".rows")
 
 
 def _identity(table) -> tuple:

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 built: list[str] = []       # the libraries this process compiled (a start-up that ran the compiler; benches report it)
 
 
+def compiler() -> str | None:
+    """The C compiler that builds the helpers: $CC, else cc, gcc or clang on PATH; None if there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def build(cache_dir) -> tuple[Path | None, str]:
     """(the library file under cache_dir/native, built now if it is not there; or None, why)."""
     src = resources.files("gds_gather").joinpath("native.c").read_bytes()
@@ -31,7 +36,7 @@ def build(cache_dir) -> tuple[Path | None, str]:
     so = Path(cache_dir) / "native" / f"libggnative-{tag}.so"
     if so.exists():
         return so, ""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = compiler()
     if not cc:
         return None, "no C compiler (cc) to build the native helpers"
     so.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from statistics import median
 
 import numpy as np
 
-from .. import measure, native
+from .. import hotrows, measure, native
 from ..config import Config
 from .plot import bars, figure, panel_series
 from .report import (GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, block_device, cold_method,
@@ -392,16 +392,15 @@ def new_process_passes(path: Path, b: str, a, cfg: Config, trace_file: Path, hot
     no hot rows) and restart (after this backend's own cold pass in the process before)."""
     out = {}
     for p in passes:
-        shutil.rmtree(hot_dir / "hot", ignore_errors=True)    # (the native helpers built there stay, see _gather_table)
+        shutil.rmtree(hotrows.directory(hot_dir), ignore_errors=True)   # (the native helpers built there stay)
         go_cold(path, a.drop_caches)
         child_pass(path, "mmap" if p == "newproc" else b, trace_file, cfg, hot_dir)     # untimed: the process before
         if p == "newproc":
-            shutil.rmtree(hot_dir / "hot", ignore_errors=True)
+            shutil.rmtree(hotrows.directory(hot_dir), ignore_errors=True)
         before = measure.resident_bytes(path)
         out[p] = r = child_pass(path, b, trace_file, cfg, hot_dir)
         r["page_cache_before_MiB"] = before / MiB
-        r["hot_file_MiB"] = sum(f.stat().st_size for f in hot_dir.glob("hot/*.rows")) / MiB if hot_dir.exists() \
-            else 0.0
+        r["hot_file_MiB"] = sum(f.stat().st_size for f in hotrows.directory(hot_dir).glob("*.rows")) / MiB
     return out
 
 
