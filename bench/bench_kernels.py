@@ -86,7 +86,7 @@ def d2d_copy(cp, nbytes: int, repeat: int) -> dict:
 
 def staged_rows(cp, qt, width: int, min_bytes: float, seed: int):
     """(device staging of >= min_bytes of valid rows, row_bytes, n_rows, host pool of the first rows)."""
-    from gds_gather.model import random_blocks
+    from gds_gather.model.synth import random_blocks
     block, size = GGML_QUANT_SIZES[qt]
     rb = width // block * size
     pool_rows = max(1, POOL_BYTES // rb)

@@ -106,7 +106,8 @@ def cmd_info(args, cfg: Config) -> int:
 
 
 def cmd_make_model(args, cfg: Config) -> int:
-    from .model import PRESETS, write_model
+    from .model.presets import PRESETS
+    from .model.synth import write_model
     if args.preset not in PRESETS:
         raise GatherError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
     path = write_model(args.output, args.preset, qtype=args.qtype, rows=args.rows, seed=args.seed,

@@ -129,7 +129,7 @@ def defines() -> dict[str, int]:
 
 
 def _read_source(name: str) -> str:
-    from .kernels import source
+    from .kernel_sources import source
     return source(name)
 
 

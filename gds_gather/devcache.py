@@ -131,7 +131,7 @@ def drop_all() -> None:
 def _module(device_id: int):
     import cupy as cp
     from .dequant_gpu import HIPRTC_OPTIONS, NVRTC_OPTIONS
-    from .kernels import source
+    from .kernel_sources import source
     hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
     with cp.cuda.Device(device_id):
         return cp.RawModule(code=source("copy.cu"), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS)

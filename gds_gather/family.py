@@ -81,7 +81,8 @@ class Qwen4exp(Family):
 
     def __init__(self, table):
         super().__init__(table)
-        from .model import PRESETS, Qwen4expHParams
+        from .model.presets import PRESETS
+        from .model.qwen4exp import Qwen4expHParams
         self.hp = Qwen4expHParams.from_reader(table.reader)
         n_tok = table.field("tokenizer.ggml.tokens")
         self.n_vocab = len(n_tok) if n_tok else PRESETS["qwen4exp"].n_vocab
@@ -90,7 +91,7 @@ class Qwen4exp(Family):
         self.n_layer, self.per_layer, self.row_scale = None, table.row_elems, 1.0
 
     def row_ids(self, tokens, prev):
-        from .model import next_prev, ple_rows
+        from .model.qwen4exp import next_prev, ple_rows
         return ple_rows(tokens, self.hp, prev=prev), next_prev(tokens, prev, self.hp.ngram_size)
 
     def kernel_args(self) -> dict:
@@ -103,7 +104,7 @@ class Qwen4exp(Family):
         return out.view(n, -1)          # [T * n_heads, width] -> [T, n_heads * width]
 
     def trunk_preset(self):
-        from .model import PRESETS
+        from .model.presets import PRESETS
         return PRESETS["qwen4exp"], {}
 
 
@@ -113,7 +114,7 @@ class TokenRows(Family):
 
     def __init__(self, table):
         super().__init__(table)
-        from .model import ple_scales
+        from .model.gemma import ple_scales
         self.n_vocab = table.n_rows
         self.reserved = ()
         self.rows_per_token = 1
@@ -121,7 +122,7 @@ class TokenRows(Family):
         self.row_scale = ple_scales(1, self.per_layer)[0]        # sqrt(per_layer) as llama.cpp computes it
 
     def row_ids(self, tokens, prev):
-        from .model import gemma_row_ids
+        from .model.gemma import gemma_row_ids
         return gemma_row_ids(tokens, self.n_rows), None     # one row per token; clear error past the table's end
 
     def kernel_args(self) -> dict:
@@ -134,7 +135,7 @@ class TokenRows(Family):
         return out                      # already [n_layer, T, per_layer]
 
     def trunk_preset(self):
-        from .model import PRESETS
+        from .model.presets import PRESETS
         same = [p for p in PRESETS.values() if p.arch == self.arch and p.n_layer == self.n_layer
                 and p.n_embd_per_layer == self.per_layer]
         preset = same[0] if same else next(p for p in PRESETS.values()

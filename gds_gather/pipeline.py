@@ -68,7 +68,7 @@ class Stats:
 
 def _trunk_for(table, mapper, device, dtype, trunk: str, seed: int):
     """The synthetic trunk matching the table's model (real shapes, or tiny for the CPU)."""
-    from .model import TrunkConfig
+    from .model.trunk import TrunkConfig
     preset, layout = mapper.family.trunk_preset()
     if trunk == "tiny":
         cfg = TrunkConfig.tiny(preset.arch, ple_width=mapper.family.ple_width, n_layer=layout.get("n_layer"))
@@ -89,7 +89,7 @@ def trunk_label(trunk, kind: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _build_trunk(cfg, seed: int, device: str, dtype):
     """The last trunk built is kept: benchmarks run many prefills of one model (a real trunk is GBs)."""
-    from .model import Trunk
+    from .model.trunk import Trunk
     return Trunk(cfg, seed=seed, device=device, dtype=dtype)
 
 

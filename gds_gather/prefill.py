@@ -27,7 +27,7 @@ DEFAULT_ROWS = 2_000_000     # 180 MB of IQ4_NL rows: small enough to build in s
 
 def default_model(cfg: Config, progress: bool = True) -> Path:
     """The built-in default model, built once into the cache directory."""
-    from .model import write_model
+    from .model.synth import write_model
     path = Path(cfg.cache_dir) / f"default-{DEFAULT_PRESET}-{DEFAULT_ROWS}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

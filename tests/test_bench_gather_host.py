@@ -14,7 +14,7 @@ from gds_gather.benches.gather import default_backends
 from gds_gather.benches.report import HOST_BACKENDS
 from gds_gather.benches.gather import stats_delta, table_stats
 from gds_gather.config import Config
-from gds_gather.model import write_model
+from gds_gather.model.synth import write_model
 
 pytestmark = pytest.mark.usefixtures("bench_sandbox")
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("bench_sandbox")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     return write_model(tmp_path_factory.mktemp("m") / "q.gguf", "qwen4exp", rows=20000, progress=False)
 
 

@@ -225,7 +225,7 @@ def test_bench_io_wrapper_random_ids_tmpfs(tmp_path, capsys):
 
 def test_prefill_bench_interleaved(tmp_path, capsys, monkeypatch):
     from gds_gather import prefill
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     model = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
     order = []
     real = prefill.run_prefill

@@ -77,7 +77,8 @@ def test_prefill_default_model_is_built_once(tmp_path):
 
 def test_prefill_rows_match_reference(tmp_path):
     """The CPU pipeline's rows for a prompt are exactly the table rows ple_rows names."""
-    from gds_gather.model import Qwen4expHParams, next_prev, ple_rows, write_model
+    from gds_gather.model.qwen4exp import Qwen4expHParams, next_prev, ple_rows
+    from gds_gather.model.synth import write_model
     from gds_gather.prefill import RowMapper
     path = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
     with gg.open_table(path) as t:

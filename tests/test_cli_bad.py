@@ -29,7 +29,7 @@ PEAK_BYTES = 64 << 20   # Python + numpy allocations per case (the old --tokens 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     return write_model(tmp_path_factory.mktemp("model") / "m.gguf", "qwen4exp", rows=3000, progress=False)
 
 

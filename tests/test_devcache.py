@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather import devcache, rowcache, source
-from gds_gather.kernels import write_sources
+from gds_gather.kernel_sources import write_sources
 from gds_gather.readers import DirectReader
 from gds_gather.rowcache import RowCache
 

@@ -178,7 +178,7 @@ def test_read_error_mid_prefill_returns_promptly(tmp_path, backend, platform, gr
     import sys
     if backend == "gds":
         pytest.importorskip("kvikio")
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     path = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="IQ4_NL", rows=30000, progress=False)
     res = subprocess.run([sys.executable, "-c", _INJECT, str(path), backend, platform, "1" if graph else "0"],
                          capture_output=True, text=True, timeout=240)
@@ -352,7 +352,7 @@ def test_prefill_probe_and_refused_wait_value_fall_back_to_eager(tmp_path, monke
     makes the same prefill run eagerly, with the reason, and give the same per-layer inputs."""
     torch = pytest.importorskip("torch")
     from gds_gather import graph
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     from gds_gather.pipeline import GpuPrefill
     from gds_gather.prefill import RowMapper
     path = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="IQ4_NL", rows=30000, progress=False)

@@ -7,7 +7,9 @@ import pytest
 
 from gds_gather import open_table
 from gds_gather.family import Qwen4exp, TokenRows, family_of
-from gds_gather.model import PRESETS, ple_rows, write_model
+from gds_gather.model.presets import PRESETS
+from gds_gather.model.qwen4exp import ple_rows
+from gds_gather.model.synth import write_model
 
 
 @pytest.mark.parametrize("preset", ["qwen4exp", "gemma4-e2b", "gemma3n-e2b"])

@@ -488,7 +488,7 @@ def test_refused_wait_during_capture_runs_eagerly(tmp_path):
     the real GpuPrefill falls back to eager steps, says why, and its rows equal the CPU pipeline's."""
     pytest.importorskip("torch")
     from gds_gather.accel import HostAccel
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     from gds_gather.pipeline import CpuPrefill, GpuPrefill
     from gds_gather.prefill import RowMapper
     path = write_model(tmp_path / "m.gguf", "gemma4-e2b", qtype="Q8_0", rows=3000, progress=False)

@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from gds_gather import dequant_gpu as dg
-from gds_gather.model import random_blocks
+from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
 from gds_gather.quants import supported_types
 

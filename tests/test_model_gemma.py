@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gds_gather.model import gemma_row_ids, per_layer_inputs, per_layer_inputs_np, ple_scales  # noqa: E402
+from gds_gather.model.gemma import gemma_row_ids, per_layer_inputs, per_layer_inputs_np, ple_scales  # noqa: E402
 
 RTOL = 1e-6   # relative to the largest output magnitude (see above)
 

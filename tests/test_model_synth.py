@@ -6,7 +6,9 @@ from gguf import quants as gq
 
 from gds_gather import quants
 from gds_gather.errors import RowWidthError, UnsupportedTypeError
-from gds_gather.model import PRESETS, Qwen4expHParams, iter_table_chunks, random_blocks, write_model
+from gds_gather.model.presets import PRESETS
+from gds_gather.model.qwen4exp import Qwen4expHParams
+from gds_gather.model.synth import iter_table_chunks, random_blocks, write_model
 from gds_gather.model import synth
 
 TABLE = "per_layer_token_embd.weight"

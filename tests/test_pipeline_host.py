@@ -14,7 +14,7 @@ from gds_gather.accel import HostAccel, HostArray, StreamOrderError
 from gds_gather.errors import ReadError, StagingCapacityError
 
 torch = pytest.importorskip("torch")
-from gds_gather.model import write_model  # noqa: E402
+from gds_gather.model.synth import write_model  # noqa: E402
 from gds_gather.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
 from gds_gather.prefill import RowMapper  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 import gds_gather as gg
 from gds_gather import platform as pf
-from gds_gather.model import write_model
+from gds_gather.model.synth import write_model
 
 H200 = {"name": b"NVIDIA H200", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 0}   # measured-facts.md
 GB10 = {"name": b"NVIDIA GB10", "integrated": 1, "pageableMemoryAccessUsesHostPageTables": 0}

@@ -282,7 +282,7 @@ def test_a_forked_child_forgets_the_parents_prefetch(table):
 def test_the_cpu_prefill_with_prefetch_gives_the_same_rows(tmp_path):
     """CpuPrefill hands each next ubatch to prefetch: the per-layer rows equal those of the prefill without it,
     and rows were read ahead."""
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     from gds_gather.pipeline import CpuPrefill
     from gds_gather.prefill import RowMapper
     path = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.model import Qwen4expHParams, ple_rows, write_model
+from gds_gather.model.qwen4exp import Qwen4expHParams, ple_rows
+from gds_gather.model.synth import write_model
 from gds_gather.prefill import RowMapper, run_prefill
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gds_gather.errors import GatherError
-from gds_gather.model import write_model
+from gds_gather.model.synth import write_model
 from gds_gather.prefill import PrefillOptions, run_prefill, summary_lines
 
 

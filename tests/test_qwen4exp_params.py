@@ -7,7 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gds_gather.model import PRESETS, Qwen4expHParams, next_prev
+from gds_gather.model.presets import PRESETS
+
+from gds_gather.model.qwen4exp import Qwen4expHParams, next_prev
 from gds_gather.model import qwen4exp as q
 
 GOOD = dict(ngram_size=3, heads_per_ngram=2, multipliers=(3, 5, 7), head_offsets=(0, 10, 20, 30),

@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from gds_gather.model import PRESETS, Qwen4expHParams, hashed_tokens, next_prev, ple_rows
+from gds_gather.model.presets import PRESETS
+
+from gds_gather.model.qwen4exp import Qwen4expHParams, hashed_tokens, next_prev, ple_rows
 
 U64 = 2 ** 64
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gds_gather.errors import GatherError, ReadError
-from gds_gather.model import write_model
+from gds_gather.model.synth import write_model
 from gds_gather.planner import plan_rows
 from gds_gather.errors import StagingCapacityError
 from gds_gather.schedule import check_fits, graph_mode, run_ubatches, staging_bound, staging_bound_for

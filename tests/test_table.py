@@ -131,7 +131,7 @@ def test_forced_backend_env(small_table):
 
 
 def test_split_model_opens_from_any_shard(tmp_path, ggufs):
-    from gds_gather.model import write_model
+    from gds_gather.model.synth import write_model
     first = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="Q4_0", rows=5000, split=3, progress=False)
     shards = sorted(tmp_path.glob("m-*-of-00003.gguf"))
     assert len(shards) == 3 and first == shards[0]

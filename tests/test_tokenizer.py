@@ -371,7 +371,8 @@ def test_prompt_tokens_use_the_tokenizer(gpt2, tmp_path):
 
 def _qwen4exp_model(path, ggufs, with_tokenizer: bool, rows: int = 3000):
     """A small qwen4exp-layout model (IQ4_NL table of width 160), optionally carrying the gpt2 tokenizer above."""
-    from gds_gather.model import Qwen4expHParams, get_preset
+    from gds_gather.model.qwen4exp import Qwen4expHParams
+    from gds_gather.model.presets import get_preset
     hp = Qwen4expHParams.from_preset(get_preset("qwen4exp"), rows=rows)
 
     def extra(w):

@@ -12,7 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gds_gather.model import PRESETS, Trunk, TrunkConfig, per_layer_inputs_np  # noqa: E402
+from gds_gather.model.presets import PRESETS  # noqa: E402
+
+from gds_gather.model.trunk import Trunk, TrunkConfig  # noqa: E402
+
+from gds_gather.model.gemma import per_layer_inputs_np  # noqa: E402
 
 ARCHS = ("gemma4", "gemma3n", "qwen4exp")
 BF16_RTOL = 5e-2
