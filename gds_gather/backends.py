@@ -39,6 +39,11 @@ def _direct_how() -> str:
     return "io_uring" if ok else f"native thread pool ({why})"
 
 
+# where a backend choice came from, as resolve() and resolve_device() say it (a caller that knows more, e.g. that
+# a user gave --backend, says that instead of BY_NAME)
+BY_NAME = "named by the caller"
+BY_CONFIG = "set by Config.backend / GDS_GATHER_BACKEND"
+
 GDS_MIN_WINDOW = 64 << 10     # below this GPU-direct storage loses to O_DIRECT + pinned copy (anchors-perf.md)
 
 
@@ -78,13 +83,15 @@ def backends(config: Config | None = None) -> list[Backend]:
 
 
 def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
-    """(backend name, why) for a requested backend; 'auto' defers to GDS_GATHER_BACKEND, then detection."""
+    """(backend name, why) for a backend or 'auto'. why says where the choice came from: BY_NAME for a backend
+    given by name (a user's request or a caller handing on its own choice: only the caller knows which), BY_CONFIG
+    for 'auto' where Config.backend names one, else auto's choice and its reason."""
     cfg = config or Config.from_env()
     name = (backend or "auto").lower()
     if name == "auto" and cfg.backend != "auto":
-        name, forced = cfg.backend, "forced by GDS_GATHER_BACKEND"
+        name, forced = cfg.backend, BY_CONFIG
     else:
-        forced = "requested"
+        forced = BY_NAME
     if name == "auto":      # a host read: no device probe (torch, cupy, kvikio stay unimported)
         return "direct", f"the host default: O_DIRECT reads into host memory ({_direct_how()})"
     if name in HOST_READERS:
@@ -117,7 +124,8 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
     mode: "copy" (pinned staging + one H2D copy), "zero-copy" (GPU-mapped host staging), or "gds".
     gds_faster: a callable () -> (bool, detail) that times gds against direct on this table; asked only where real
     GPU-direct storage exists. Without it, windows of at least GDS_MIN_WINDOW bytes go to gds. state: a callable
-    giving (kvikio usable, real GPU-direct, why) (default gds_state).
+    giving (kvikio usable, real GPU-direct, why) (default gds_state). why starts with BY_NAME or BY_CONFIG where the
+    backend was not auto's choice.
     """
     state = state or gds_state
     cfg = config or Config.from_env()
@@ -126,19 +134,20 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
         raise BackendError(f"GPU ids, but no usable GPU here: {plat.reason}")
     host_mode = "zero-copy" if plat.kind == "unified" else "copy"
     name = (backend or "auto").lower()
+    source = BY_NAME
     if name == "auto" and cfg.backend != "auto":
-        name = cfg.backend
+        name, source = cfg.backend, BY_CONFIG
     if name == "gds":
         if plat.kind == "rocm":
             raise BackendError("backend 'gds' is not available on ROCm: KvikIO/cuFile is CUDA-only")
         ok, real, why = state()
         if not ok:
             raise BackendError(f"backend 'gds' is not available here: {why}")
-        return "gds", "gds", why
+        return "gds", "gds", f"{source}: {why}"
     if name != "auto":
         if name not in HOST_READERS:
             raise BackendError(f"unknown backend {name!r}; known: {', '.join([*HOST_READERS, 'gds'])}")
-        return name, host_mode, f"requested, into {host_mode} staging on a {plat.kind} platform"
+        return name, host_mode, f"{source}, into {host_mode} staging on a {plat.kind} platform"
     if plat.kind == "unified":
         return "direct", "zero-copy", f"unified memory ({plat.reason}): direct reads into GPU-mapped host memory"
     if plat.kind == "rocm":

@@ -24,8 +24,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int_in(lo: int, hi: int):
-    """An argparse type: an integer in lo..hi; argparse's message then names the flag and the bounds."""
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi; argparse's message then names the flag and the bounds (0 is not a
+    way to ask for a default: where lo >= 1 it is refused like any other value out of range)."""
     def parse(text: str) -> int:
         try:
             v = int(text, 0)
@@ -108,11 +109,31 @@ def cmd_info(args, cfg: Config) -> int:
 def cmd_make_model(args, cfg: Config) -> int:
     from .model.presets import PRESETS
     from .model.synth import write_model
+    if args.hf:
+        return _make_hf_model(args)
+    if args.preset is None:
+        raise GatherError("make-model needs a PRESET (or --hf KIND for a tiny transformers model)")
     if args.preset not in PRESETS:
         raise GatherError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
     path = write_model(args.output, args.preset, qtype=args.qtype, rows=args.rows, seed=args.seed,
                        progress=not args.quiet)
     print(path)
+    return 0
+
+
+def _make_hf_model(args) -> int:
+    """A tiny random transformers checkpoint with a byte-level tokenizer, written into a new or empty directory."""
+    from pathlib import Path
+    if args.preset or args.qtype or args.rows:
+        raise GatherError("--hf makes a tiny transformers model of its own shape: no PRESET, --qtype or --rows")
+    out = Path(args.output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GatherError(f"{out}: exists and is not an empty directory; --hf writes a new model directory")
+    try:
+        from .benches.tiny import tiny
+    except ImportError as e:   # pragma: no cover - the hf extra's packages
+        raise GatherError(f"--hf needs torch and transformers: pip install -e \".[hf]\" ({e})") from e
+    print(tiny(args.hf, out, seed=args.seed, tokenizer=True))
     return 0
 
 
@@ -173,32 +194,40 @@ def build_parser() -> argparse.ArgumentParser:
     from .text import MAX_TOKENS
     p = _Parser(prog="gds-gather", description=__doc__)
     p.add_argument("--version", action="version", version=f"gds-gather {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="log the chosen backend and why")
-    p.add_argument("--platform", choices=("auto", "discrete", "unified", "rocm", "cpu"),
-                   help="override platform detection (GDS_GATHER_PLATFORM)")
+    _global_options(p, verbose=False, platform=None)
+    common = _Parser(add_help=False)        # the same options after the subcommand: given there, they win
+    _global_options(common, verbose=argparse.SUPPRESS, platform=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("info", help="table geometry, bytes, type; which backends run here and why not")
-    s.add_argument("file")
-    s.add_argument("--tensor", default="per_layer_token_embd.weight")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("info", parents=[common],
+                       help="table geometry, bytes, type; which backends run here and why not")
+    s.add_argument("file", help="GGUF model (any shard of a split one), or a Hugging Face model directory or "
+                                ".safetensors(.index.json) file")
+    s.add_argument("--tensor", default="per_layer_token_embd.weight",
+                   help="the table's name (default: found by name, *embed_tokens_per_layer.weight in safetensors)")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of the lines")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("make-model", help="write a synthetic PLE model (GGUF) with a real model's layout")
-    s.add_argument("preset", help="gemma4-e2b, gemma4-e4b, gemma3n-e2b or qwen4exp")
-    s.add_argument("-o", "--output", required=True)
+    s = sub.add_parser("make-model", parents=[common],
+                       help="write a synthetic PLE model (GGUF) with a real model's layout")
+    s.add_argument("preset", nargs="?", help="gemma4-e2b, gemma4-e4b, gemma3n-e2b or qwen4exp")
+    s.add_argument("--hf", choices=("gemma4", "gemma3n"),
+                   help="instead: a tiny random transformers checkpoint of this kind with a byte-level tokenizer "
+                        "(a directory; needs the hf extra)")
+    s.add_argument("-o", "--output", required=True,
+                   help="the GGUF file to write (replaced atomically); with --hf a new or empty directory")
     s.add_argument("--qtype", help="GGML type of the table (default: the preset's)")
-    s.add_argument("--rows", type=_int_in(1, MAX_ROWS), help="number of table rows (default: the real model's)")
-    s.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0)
+    s.add_argument("--rows", type=int_in(1, MAX_ROWS), help="number of table rows (default: the real model's)")
+    s.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the random weights (default 0)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_make_model)
 
-    s = sub.add_parser("prefill", help="the main job: gather the PLE rows of a real text prompt")
+    s = sub.add_parser("prefill", parents=[common], help="the main job: gather the PLE rows of a real text prompt")
     s.add_argument("model", nargs="?", help="GGUF model (default: a small built-in qwen4exp model, built once)")
     s.add_argument("--prompt", help="text file (default: the Python documentation topics)")
-    s.add_argument("--tokens", type=_int_in(1, MAX_TOKENS), default=None,
+    s.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=None,
                    help="prompt length in tokens (default 8192; --hf: 2048)")
-    s.add_argument("--ubatch", type=_int_in(1, MAX_UBATCH), default=2048, help="tokens per ubatch (default 2048)")
+    s.add_argument("--ubatch", type=int_in(1, MAX_UBATCH), default=2048, help="tokens per ubatch (default 2048)")
     s.add_argument("--backend", default=None, help="force a backend (default: auto, or GDS_GATHER_BACKEND)")
     s.add_argument("--cold", action="store_true",
                    help="evict the table file from the page cache first (posix_fadvise; touches nothing else)")
@@ -211,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face transformers model (Gemma 4 / Gemma 3n): its "
                    "prefill with the PLE table resident vs offloaded, A/B")
     s.add_argument("--table", help="with --hf: the table file (default: the checkpoint's own safetensors)")
-    s.add_argument("--generate", type=_int_in(1, MAX_TOKENS), default=None, metavar="N",
+    s.add_argument("--generate", type=int_in(1, MAX_TOKENS), default=None, metavar="N",
                    help="with --hf: also time greedy generation of N tokens both ways (ms per token)")
     s.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="GPU dequant output and trunk dtype (default bfloat16); --hf: the model's (default: the "
@@ -222,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: GDS_GATHER_CACHE_BYTES, else auto)")
     s.set_defaults(func=cmd_prefill)
 
-    s = sub.add_parser("convert", help="write a model's PLE table alone as a GGUF, optionally quantized")
+    s = sub.add_parser("convert", parents=[common],
+                       help="write a model's PLE table alone as a GGUF, optionally quantized")
     s.add_argument("model", help="Hugging Face model directory, .safetensors(.index.json) file, or GGUF")
-    s.add_argument("-o", "--output", required=True)
+    s.add_argument("-o", "--output", required=True, help="the GGUF file to write (replaced atomically)")
     s.add_argument("--qtype", help="F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 TQ1_0 TQ2_0 MXFP4 (gguf's quantizers; "
                    "default: the source type, an exact copy)")
     s.add_argument("--tensor", default="per_layer_token_embd.weight",
@@ -233,13 +263,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_convert)
 
     from . import benches
-    s = sub.add_parser("bench", help="benchmarks: storage bandwidth, the gather microbenchmark, prefill A/B")
+    s = sub.add_parser("bench", parents=[common],
+                       help="benchmarks: storage bandwidth, the gather microbenchmark, prefill A/B")
     bench = s.add_subparsers(dest="bench", required=True)
     for name, (_, _, what) in benches.BENCHES.items():
-        b = bench.add_parser(name, help=what, description=what)
+        b = bench.add_parser(name, parents=[common], help=what, description=what)
         benches.add_arguments(name, b)
         b.set_defaults(func=cmd_bench)
     return p
+
+
+def _global_options(p: argparse.ArgumentParser, *, verbose, platform) -> None:
+    """-v and --platform: before the subcommand (the defaults) and after it (defaults argparse.SUPPRESS, so a value
+    given there replaces the one given before and an absent one leaves it)."""
+    p.add_argument("-v", "--verbose", action="store_true", default=verbose,
+                   help="log the chosen backend and why (before or after the subcommand)")
+    p.add_argument("--platform", choices=("auto", "discrete", "unified", "rocm", "cpu"), default=platform,
+                   help="override platform detection (GDS_GATHER_PLATFORM; before or after the subcommand)")
 
 
 def main(argv=None) -> int:

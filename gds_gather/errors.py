@@ -24,6 +24,10 @@ class TableNotFoundError(GatherError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ModelNotFoundError(GatherError, FileNotFoundError):
+    """A model path (or a shard or file it names) that does not exist; the message names the path."""
+
+
 class UnsupportedTypeError(GatherError, TypeError):
     """A GGML type gds_gather cannot dequantize (or an unknown type id)."""
 

@@ -7,6 +7,7 @@ one, pipeline.CpuPrefill exactly with gguf's dequantizer on the host otherwise.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -15,14 +16,25 @@ import numpy as np
 from tqdm import tqdm
 
 from . import rowcache
+from .backends import BY_CONFIG, BY_NAME
 from .config import Config
 from .errors import GatherError
 from .family import family_of
 from .table import open_table
 from .text import prompt_tokens
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PRESET = "qwen4exp"
 DEFAULT_ROWS = 2_000_000     # 180 MB of IQ4_NL rows: small enough to build in seconds, big enough to be sparse
+
+
+def backend_reason(requested: str | None, why: str) -> str:
+    """Why a prefill runs its backend, from the backend it was given (PrefillOptions.backend: --backend) and the
+    pipeline's why: "requested with --backend", "set by Config.backend ..." or "auto, " and auto's reason."""
+    if requested not in (None, "auto"):
+        return "requested with --backend" + why.removeprefix(BY_NAME)
+    return why if why.startswith(BY_CONFIG) else f"auto, {why}"
 
 
 def default_model(cfg: Config, progress: bool = True) -> Path:
@@ -151,6 +163,8 @@ def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions |
             pipe = CpuPrefill(t, mapper, backend=o.backend or "auto", ubatch=ubatch, seed=o.seed, trunk=trunk,
                               config=cfg)
         n_ub = -(-tokens.size // ubatch)
+        reason = backend_reason(o.backend, pipe.why)
+        logger.info("backend %s: %s", pipe.backend, reason)
         if log:
             log(f"model     {path}")
             log(f"table     {t.arch or '?'}, {t.qtype.name}, {t.n_rows:,} rows x {t.row_bytes} B = "
@@ -159,7 +173,7 @@ def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions |
                 f"tokenizer {mapper.tokenizer_name}), {n_ub} ubatch{'es' if n_ub != 1 else ''} of up to {ubatch}"
                 f"{(', page cache dropped' if drop_caches else ', table file evicted') if cold else ''}")
             log(f"platform  {plat.kind}: {plat.reason}")
-            log(f"backend   {pipe.backend}: {pipe.why}")
+            log(f"backend   {pipe.backend}: {reason}")
             log("pipeline  " + (f"GPU, {'CUDA graph per (ubatch size, slot)' if pipe.graph else 'eager'} "
                                 f"({pipe.graph_why}), {pipe.how}, {o.dtype}" if gpu else
                                 "CPU (no GPU here): read -> gguf dequantize -> per-layer inputs, no graph"))
@@ -180,14 +194,16 @@ def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions |
         res.update({k: st[k] - st0[k] if k in rowcache.IO_COUNTERS else st[k] for k in st})
         if res.get("cache_where") == "gpu":     # the GPU prefill's device-resident cache (devcache.py)
             res["cache_bytes"] += res["device_cache_bytes"]
-        # rows the file had to supply: the unique rows of each ubatch less the row cache's hits; direct says
-        # which of them the page cache held and which the device read
+        # rows the file supplied: the unique rows of each ubatch less the row cache's hits, plus the rows read
+        # ahead for a next ubatch (each a device row, then a hit: Table.stats), so that the device's part of them
+        # is never more than the whole; direct says which of them the page cache held and which the device read
         rb, dl = t.row_bytes, got["delivered_bytes"]
-        from_file = max(res["unique_rows"] - res["rows_from_cache"], 0)
+        ahead = res.get("rows_prefetched") or 0
+        from_file = max(res["unique_rows"] - res["rows_from_cache"], 0) + ahead
         known = res["rows_buffered"] == 0
         storage_rows = 0 if pipe.backend == "resident" else res["rows_from_device"] if known else from_file
         basis = (dl if dl is not None else res["bytes_read"])
-        res.update(bytes_needed=from_file * rb, bytes_from_device_rows=storage_rows * rb,
+        res.update(bytes_needed=from_file * rb, bytes_read_ahead=ahead * rb, bytes_from_device_rows=storage_rows * rb,
                    sources_known=known, bytes_requested=res["bytes_read"], bytes_delivered=dl,
                    bytes_device=got["device_bytes"], delivered_method=got["delivered_method"],
                    device_method=got["device_method"],
@@ -227,7 +243,10 @@ def summary_lines(res: dict) -> list[str]:
                         f"{res['rows_buffered']:,} from the file (page cache or device: this backend cannot tell)"))
     needed, req, dl, dv = res["bytes_needed"], res["bytes_requested"], res["bytes_delivered"], res["bytes_device"]
     amp = res["read_amplification"]
-    lines.append(f"needed    {needed:,} B of rows from the file, {res['bytes_from_device_rows']:,} B of them "
+    ahead_b = res.get("bytes_read_ahead") or 0
+    lines.append(f"needed    {needed:,} B of rows from the file"
+                 + (f" ({ahead_b:,} B of them read ahead)" if ahead_b else "")
+                 + f", {res['bytes_from_device_rows']:,} B of them "
                  + ("from the device" if res["sources_known"] else "from the page cache or the device"))
     lines.append(f"requested {req:,} B asked of the file (aligned windows, or exact rows for buffered reads)")
     lines.append(f"delivered {'n/a' if dl is None else f'{dl:,} B'} by storage "

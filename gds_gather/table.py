@@ -14,8 +14,8 @@ from . import accel as accel_mod
 from . import arrays, destinations, forksafe, quants, rowcache
 from .backends import choose_device, resolve
 from .config import Config
-from .errors import (BackendError, BadIdsError, HeaderError, StagingCapacityError, TableClosedError,
-                     TruncatedFileError, UnsupportedTypeError)
+from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelNotFoundError, StagingCapacityError,
+                     TableClosedError, TruncatedFileError, UnsupportedTypeError)
 from .gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows, realign
 from .prefetch import Prefetcher
@@ -45,9 +45,15 @@ def _locate(path, tensor: str):
     """(tensor info, header, metadata): a GGUF file (any shard), or a Hugging Face safetensors checkpoint (a model
     directory, model.safetensors.index.json or one .safetensors file; see safetensors_file.py)."""
     from .safetensors_file import find_table_tensor, is_safetensors_source
-    if is_safetensors_source(path):
-        return find_table_tensor(path, tensor)
-    return find_tensor(path, tensor)
+    try:
+        if is_safetensors_source(path):
+            return find_table_tensor(path, tensor)
+        return find_tensor(path, tensor)
+    except FileNotFoundError as e:      # a missing path or shard: a GatherError, still a FileNotFoundError
+        if isinstance(e, GatherError):
+            raise
+        text = f"{e.filename}: {e.strerror}" if e.filename is not None and e.strerror else str(e)
+        raise ModelNotFoundError(text if str(Path(path)) in text else f"{path}: {text}") from None
 
 
 def _locked(method):
@@ -450,7 +456,8 @@ class Table:
 
 
 def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None) -> Table:
-    """Open the row table `tensor` of a GGUF model (any shard of a split model), reading metadata only."""
+    """Open the row table `tensor` of a GGUF model (any shard of a split model), reading metadata only. A missing
+    path or shard raises ModelNotFoundError (a GatherError and a FileNotFoundError) naming it."""
     return Table(path, tensor, config)
 
 

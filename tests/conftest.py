@@ -36,6 +36,20 @@ def _hot_rows_only_where_asked(request):
         yield
 
 
+def pytest_report_header(config):
+    """The versions this run resolved (CI installs the newest releases the ranges admit): a failure that follows a
+    dependency's release shows which one."""
+    from importlib import metadata
+    found = []
+    for name in ("numpy", "gguf", "torch", "transformers", "kernels", "safetensors", "tokenizers", "cupy-cuda13x",
+                 "kvikio-cu13"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return "versions: " + ", ".join(found)
+
+
 def _gpu_available() -> bool:
     try:
         import cupy

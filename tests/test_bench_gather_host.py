@@ -60,8 +60,6 @@ def test_device_destinations_on_the_host_accel(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--tokens", "-1"], "sizes, --repeat, --samples and --qd must be >= 1"),
-    (["--samples", "0"], "sizes, --repeat, --samples and --qd must be >= 1"),
     (["--backends", "direct,nvme"], "unknown backend 'nvme'; known: direct, pread, mmap, readahead, resident, "
                                     "gpu:direct, gpu:gds"),
     (["--tables", "llama"], r"--tables: qwen4exp and/or gemma4-e4b, got 'llama' \(use --file for others\)"),

@@ -13,7 +13,7 @@ from gds_gather.cli import main
 
 
 def run_cli(*args, env=None):
-    r = subprocess.run([sys.executable, "-m", "gds_gather.cli", *args], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", *args], capture_output=True, text=True, env=env,
                        timeout=300)
     return r.returncode, r.stdout, r.stderr
 

@@ -150,7 +150,7 @@ def test_bad_command_line_subprocess(name, argv, env, want, model, tmp_path):
     before = _snapshot(tmp_path)
     e = {k: v for k, v in os.environ.items() if not k.startswith("GDS_GATHER_")}
     e.update(env, GDS_GATHER_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "gds_gather.cli", *_argv(argv, model)], cwd=tmp_path, env=e,
+    r = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", *_argv(argv, model)], cwd=tmp_path, env=e,
                        capture_output=True, text=True, timeout=60)
     lines = r.stderr.splitlines()
     assert r.returncode != 0 and len(lines) == 1 and want in lines[0], r.stderr
@@ -163,7 +163,7 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
     if free_bytes(tmp_path / "m.gguf") < 4e9:
         pytest.skip("needs 4 GB free for a table that is still being written when killed")
     (tmp_path / "m.gguf").write_bytes(b"old")
-    p = subprocess.Popen([sys.executable, "-m", "gds_gather.cli", "make-model", "qwen4exp", "--rows", "20000000",
+    p = subprocess.Popen([sys.executable, "-P", "-m", "gds_gather.cli", "make-model", "qwen4exp", "--rows", "20000000",
                           "-o", "m.gguf", "-q"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):

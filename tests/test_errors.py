@@ -67,6 +67,21 @@ def test_missing_table(tmp_path, ggufs):
         gg.open_table(p, tensor="nope.weight")
 
 
+def test_a_missing_path_is_a_gather_error_naming_it(tmp_path, small_table):
+    """A missing model file, shard of a split model or checkpoint file: ModelNotFoundError, a GatherError and still
+    a FileNotFoundError (code that caught the latter keeps working), its message naming the path."""
+    from gds_gather.errors import ModelNotFoundError
+    shard = tmp_path / "m-00001-of-00002.gguf"
+    small_table.rename(shard)
+    (tmp_path / "empty-dir").mkdir()
+    for path, names in ((tmp_path / "missing.gguf", "missing.gguf"), (tmp_path / "missing.safetensors", "missing"),
+                        (shard, "m-00002-of-00002.gguf"), (tmp_path / "empty-dir", "empty-dir")):
+        with pytest.raises(ModelNotFoundError) as e:
+            gg.open_table(path)
+        assert isinstance(e.value, gg.GatherError) and isinstance(e.value, FileNotFoundError)
+        assert names in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
 def test_row_width_not_whole_blocks(small_table, ggufs):
     ggufs.patch(small_table, ne0=150)          # IQ4_NL blocks are 32 wide
     with pytest.raises(gg.RowWidthError, match="150.*IQ4_NL.*32"):

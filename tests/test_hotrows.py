@@ -67,7 +67,7 @@ def test_a_new_process_finds_the_last_runs_rows(table):
     env = {**os.environ, "GDS_GATHER_HOT_ROWS": "1"}
     outs = []
     for k in range(2):
-        r = subprocess.run([sys.executable, "-c", code, str(path.parent / f"x{k}.npy")], capture_output=True,
+        r = subprocess.run([sys.executable, "-P", "-c", code, str(path.parent / f"x{k}.npy")], capture_output=True,
                            text=True, env=env, timeout=120)
         assert r.returncode == 0, r.stderr
         outs.append([int(v) for v in r.stdout.split()])
@@ -126,7 +126,7 @@ def test_two_writers_at_once_leave_a_valid_file(table):
             "    rowcache.drop_all(); gg.measure.evict_file(%r)\n" % str(path) +
             f"    t = gg.open_table({str(path)!r}, config=cfg)\n"
             "    t.gather(np.random.default_rng(k).integers(0, 4000, 300), backend='direct'); t.close()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     with gg.open_table(path, config=cfg) as t:
         got = hotrows.load(hotrows.Target.of(t), 10 ** 6)

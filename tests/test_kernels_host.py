@@ -90,7 +90,7 @@ def test_kernel_names():
 def test_module_imports_no_gpu_library():
     code = ("import sys, gds_gather.dequant_gpu as d; d.grids(); d.source(); "
             "print(sorted(m for m in ('cupy', 'torch') if m in sys.modules))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
 
 

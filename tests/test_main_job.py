@@ -28,7 +28,8 @@ JSON_FIELDS = ("ple_seconds", "trunk_seconds", "ple_share", "trunk")
 
 
 def run_cli(*args):
-    r = subprocess.run([sys.executable, "-m", "gds_gather.cli", *args], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", *args], capture_output=True, text=True,
+                       timeout=300)
     return r.returncode, r.stdout, r.stderr
 
 
@@ -189,8 +190,8 @@ def test_readme_output(tmp_path):
     block = re.search(r"<!-- prefill output -->\n```\n(.*?)```", text, re.S)
     assert block, "the README's quoted prefill output block is missing"
     env = {**os.environ, "GDS_GATHER_CACHE_DIR": str(tmp_path), "GDS_GATHER_HOT_ROWS": "1"}   # a user's default
-    r = subprocess.run([sys.executable, "-m", "gds_gather.cli", "prefill", "--tokens", "2048"], capture_output=True,
-                       text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", "prefill", "--tokens", "2048"],
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     real = [_shape(x) for x in r.stdout.splitlines()]
     # the quoted run found every row in the page cache; where the kernel evicted some of the model it had just

@@ -50,7 +50,7 @@ def test_probe_here_is_cpu_and_imports_no_torch():
     """This machine: cupy imports, no driver; detection must not import torch (it is a CPU wheel here)."""
     code = ("import sys, json; from gds_gather.platform import probe, classify; f = probe(); "
             "print(json.dumps({'kind': classify(f).kind, 'torch': 'torch' in sys.modules, 'hip': f.get('torch_hip')}))")
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = json.loads(subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                                     check=True).stdout.strip().splitlines()[-1])
     if out["kind"] != "cpu":
         pytest.skip(f"this machine has a GPU ({out['kind']})")
@@ -161,12 +161,12 @@ def test_gds_reader_turns_a_library_load_failure_into_backend_error(monkeypatch,
 
 
 def test_info_states_the_platform_choice(table):
-    res = subprocess.run([sys.executable, "-m", "gds_gather.cli", "info", str(table.path), "--json"],
+    res = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", "info", str(table.path), "--json"],
                          capture_output=True, text=True, check=True)
     d = json.loads(res.stdout.strip().splitlines()[-1])
     assert d["platform"]["kind"] in pf.KINDS and d["platform"]["reason"]
     assert d["platform"]["path"] == pf.PATHS[d["platform"]["kind"]]
-    text = subprocess.run([sys.executable, "-m", "gds_gather.cli", "info", str(table.path)],
+    text = subprocess.run([sys.executable, "-P", "-m", "gds_gather.cli", "info", str(table.path)],
                           capture_output=True, text=True, check=True).stdout
     assert "GPU path" in text
 
@@ -206,11 +206,11 @@ def test_gds_state_reads_kvikio_s_answer(monkeypatch, real, compat, fail, want):
 
 
 def test_resolve_gds_follows_the_platform_and_kvikio(monkeypatch):
-    from gds_gather.backends import resolve, resolve_device
+    from gds_gather.backends import BY_CONFIG, BY_NAME, resolve, resolve_device
     _kvikio_here(monkeypatch)
-    assert resolve("gds", gg.Config(platform="discrete")) == ("gds", "requested")
+    assert resolve("gds", gg.Config(platform="discrete")) == ("gds", BY_NAME)
     with pytest.raises(gg.BackendError, match="backend 'gds' is not available here: needs a discrete NVIDIA GPU; "
                                               "platform is unified"):
         resolve("gds", gg.Config(platform="unified"))
     name, mode, why = resolve_device("auto", gg.Config(platform="discrete", backend="pread"))
-    assert (name, mode) == ("pread", "copy") and "discrete" in why
+    assert (name, mode) == ("pread", "copy") and "discrete" in why and why.startswith(BY_CONFIG)

@@ -177,7 +177,7 @@ def test_a_host_read_probes_no_device(small_table, tmp_path):
             "t.gather(ids); t.read_rows(ids); t.gather(ids, backend='pread'); t.close()\n"
             "print(sorted(m for m in ('torch', 'cupy', 'kvikio') if m in sys.modules))\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "stub")}
-    r = subprocess.run([sys.executable, "-c", code.replace("print(", "print(tried, ")], capture_output=True,
+    r = subprocess.run([sys.executable, "-P", "-c", code.replace("print(", "print(tried, ")], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[] []"

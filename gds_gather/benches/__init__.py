@@ -25,7 +25,7 @@ import argparse
 from ..config import Config
 from .gather import _gather_args, gather_pass, run_gather
 from .prefill import _prefill_args, run_prefill_bench
-from .report import (DROP_CACHES_HELP, HOST_BACKENDS, data_dir, go_cold, human_size, median, median_run, out_dir,
+from .report import (COUNT, DROP_CACHES_HELP, HOST_BACKENDS, data_dir, go_cold, human_size, median, median_run, out_dir,
                      parse_size)
 from .storage import _storage_args, gdsio_line, run_storage, storage_file, storage_run
 
@@ -50,8 +50,8 @@ BENCHES = {
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of bench `name` (shared by `gds-gather bench NAME` and bench/bench_NAME.py)."""
     BENCHES[name][0](p)
-    p.add_argument("--repeat", type=int, help="timed repetitions per measurement, median shown "
-                                              "(default 3, bench gather 5; --quick 2)")
+    p.add_argument("--repeat", type=COUNT, help="timed repetitions per measurement, median shown "
+                                                "(default 3, bench gather 5; --quick 2)")
     p.add_argument("--drop-caches", action="store_true", help=DROP_CACHES_HELP + " (POSIX_FADV_DONTNEED "
                    "after fsync, checked with mincore)")
     p.add_argument("--quick", action="store_true", help="a small, short run (smoke test)")

@@ -22,9 +22,9 @@ import numpy as np
 from .. import hotrows, measure, native
 from ..config import Config
 from .plot import bars, figure, panel_series
-from .report import (GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, block_device, cold_method,
-                     data_dir, fit, go_cold, human_size, machine_title, median_run, out_dir, print_header, ratio_line,
-                     short_num, target, write_result)
+from .report import (COUNT, ROWS, TOKENS, UBATCH, GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts,
+                     block_device, cold_method, data_dir, fit, go_cold, human_size, machine_title, median_run,
+                     out_dir, print_header, ratio_line, short_num, target, write_result)
 
 PASSES = ("cold", "again", "warm")
 NEW_PROCESS = ("newproc", "restart")          # passes run in new processes (child_main), after the three above
@@ -54,18 +54,18 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", default="qwen4exp,gemma4-e4b",
                    help="tables to build and bench: qwen4exp (IQ4_NL, 90 B rows, 16 rows per token), gemma4-e4b "
                         "(Q5_K, 7,392 B rows, one per token); default both")
-    p.add_argument("--rows", type=int, help="rows of the qwen4exp-geometry table (default 24,000,000 = 2.16 GB; "
-                                            "--quick 200,000)")
-    p.add_argument("--gemma-rows", type=int, help="rows of the gemma4-e4b table (default 262,144 = 1.94 GB, the "
-                                                  "real one; --quick 4,096)")
+    p.add_argument("--rows", type=ROWS, help="rows of the qwen4exp-geometry table (default 24,000,000 = 2.16 GB; "
+                                             "--quick 200,000)")
+    p.add_argument("--gemma-rows", type=ROWS, help="rows of the gemma4-e4b table (default 262,144 = 1.94 GB, the "
+                                                   "real one; --quick 4,096)")
     p.add_argument("--trace", choices=("text", "random"), default="text",
                    help="text: the row ids of a real English prompt, ubatch by ubatch (default); random: uniform "
                         "random ids (--ids, --batch)")
     p.add_argument("--prompt", help="text file for the trace (default: the Python documentation topics)")
-    p.add_argument("--tokens", type=int, help="prompt tokens per pass (default 8192; --quick 2048)")
-    p.add_argument("--ubatch", type=int, help="tokens per gather call (default 2048; --quick 1024)")
-    p.add_argument("--ids", type=int, help="--trace random: ids per pass (default 100,000; --quick 5,000)")
-    p.add_argument("--batch", type=int, help="--trace random: ids per gather call (default 16,384; --quick 1,000)")
+    p.add_argument("--tokens", type=TOKENS, help="prompt tokens per pass (default 8192; --quick 2048)")
+    p.add_argument("--ubatch", type=UBATCH, help="tokens per gather call (default 2048; --quick 1024)")
+    p.add_argument("--ids", type=COUNT, help="--trace random: ids per pass (default 100,000; --quick 5,000)")
+    p.add_argument("--batch", type=COUNT, help="--trace random: ids per gather call (default 16,384; --quick 1,000)")
     p.add_argument("--backends", help="comma list (default direct,pread,mmap,readahead,resident, and on a GPU the "
                                       "device destinations gpu:direct and gpu:gds)")
     p.add_argument("--warm", choices=("cache", "tmpfs", "none"), default="cache",
@@ -73,7 +73,7 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                         "trace's pages in the page cache (default); tmpfs = a new Table on a copy of the table on "
                         "--tmpfs; none = no pass (c)")
     p.add_argument("--tmpfs", default="/dev/shm", help="where --warm tmpfs copies the table")
-    p.add_argument("--samples", type=int,
+    p.add_argument("--samples", type=COUNT,
                    help="passes (b) and (c) per round (default 3; --quick 1): they last a few ms, so each round "
                         "takes several, (b) in a row on the same Table, (c) in sweeps across the backends")
     p.add_argument("--no-cold", action="store_true", help="no pass (a)")
@@ -83,9 +83,9 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-restart", action="store_true", help="no restart pass")
     p.add_argument("--cache", help="row cache budget (e.g. 64M, 0 = off): Config(cache_bytes=...) where this build "
                                    "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
-    p.add_argument("--qd", type=int, help="queue depth of direct and of fio (default: Config.queue_depth, "
-                                         "GDS_GATHER_QUEUE_DEPTH or 256)")
-    p.add_argument("--fio-runtime", type=int, help="seconds per fio run (default 5; --quick 1)")
+    p.add_argument("--qd", type=COUNT, help="queue depth of direct and of fio (default: Config.queue_depth, "
+                                           "GDS_GATHER_QUEUE_DEPTH or 256)")
+    p.add_argument("--fio-runtime", type=COUNT, help="seconds per fio run (default 5; --quick 1)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--no-prime", action="store_true",
                    help="no untimed priming round of cold passes before the timed rounds (see PRIME_NOTE)")
@@ -97,7 +97,7 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
 
 
 def _built_table(directory: Path, preset: str, rows: int) -> Path:
-    from ..model import write_model
+    from ..model.synth import write_model
     path = Path(directory) / f"{preset}-{rows}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -616,19 +616,19 @@ def default_backends(cfg: Config) -> list[str]:
 
 def run_gather(a, cfg: Config) -> dict:
     q = a.quick
-    a.rows = a.rows or (200_000 if q else 24_000_000)
-    a.gemma_rows = a.gemma_rows or (4096 if q else 262_144)
-    a.tokens = a.tokens or (2048 if q else 8192)
-    a.ubatch = a.ubatch or (1024 if q else 2048)
-    a.ids = a.ids or (5000 if q else 100_000)
-    a.batch = a.batch or (1000 if q else 16_384)
-    a.repeat = a.repeat or (2 if q else 5)      # (its passes last 5-300 ms on a VM that drifts: 5 rounds a median)
+    a.rows = (200_000 if q else 24_000_000) if a.rows is None else a.rows
+    a.gemma_rows = (4096 if q else 262_144) if a.gemma_rows is None else a.gemma_rows
+    a.tokens = (2048 if q else 8192) if a.tokens is None else a.tokens
+    a.ubatch = (1024 if q else 2048) if a.ubatch is None else a.ubatch
+    a.ids = (5000 if q else 100_000) if a.ids is None else a.ids
+    a.batch = (1000 if q else 16_384) if a.batch is None else a.batch
+    a.repeat = (2 if q else 5) if a.repeat is None else a.repeat   # (short passes on a drifting machine: a median)
     a.samples = (1 if q else 3) if a.samples is None else a.samples
-    a.fio_runtime = a.fio_runtime or (1 if q else 5)
+    a.fio_runtime = (1 if q else 5) if a.fio_runtime is None else a.fio_runtime
     if a.qd is None:
         a.qd = cfg.queue_depth
-    if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.samples, a.qd) < 1:
-        raise ValueError("sizes, --repeat, --samples and --qd must be >= 1")
+    if min(a.rows, a.gemma_rows, a.tokens, a.ubatch, a.ids, a.batch, a.repeat, a.samples, a.qd, a.fio_runtime) < 1:
+        raise ValueError("sizes, --repeat, --samples, --qd and --fio-runtime must be >= 1")
     # no hot-row files in this process's passes: cold means nothing from an earlier process (hotrows.py)
     cfg = cfg.with_(queue_depth=a.qd, hot_rows=0, prefetch=0 if a.no_prefetch else None)
     cfg, cache_note = apply_cache_option(cfg, a.cache)

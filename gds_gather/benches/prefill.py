@@ -8,21 +8,25 @@ from ..config import Config
 from ..measure import counter_name
 from .gather import cache_line, default_backends, empty_row_cache
 from .plot import bars, figure, panel_series
-from .report import (HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold, machine_title,
-                     fit, median, median_run, out_dir, print_header, ratio_line, target, write_result)
+from .report import (TOKENS, UBATCH, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold,
+                     machine_title, fit, median, median_run, out_dir, print_header, ratio_line, target,
+                     write_result)
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help="GGUF model (repeatable; default: the built-in qwen4exp model)")
     p.add_argument("--prompt", help="text file (default: the Python documentation topics)")
-    p.add_argument("--tokens", type=int, help="prompt tokens (default 8192; --quick 2048)")
-    p.add_argument("--ubatch", type=int, help="default 2048; --quick 1024")
+    p.add_argument("--tokens", type=TOKENS, help="prompt tokens (default 8192; --quick 2048)")
+    p.add_argument("--ubatch", type=UBATCH, help="tokens per ubatch (default 2048; --quick 1024)")
     p.add_argument("--backends", help="comma list (default direct,pread,mmap,readahead,resident, and gds on a "
                                       "discrete GPU with KvikIO)")
-    p.add_argument("--no-cold", action="store_true")
-    p.add_argument("--no-warm", action="store_true")
+    p.add_argument("--no-cold", action="store_true",
+                   help="no cold runs (the file evicted, the row cache emptied first), nor carried ones")
+    p.add_argument("--no-warm", action="store_true",
+                   help="no warm runs (the file in the page cache, the row cache emptied first)")
     p.add_argument("--trunk", choices=("real", "tiny", "none"),
                    help="synthetic trunk, random weights (default: none on the CPU, the PLE step alone; real on a GPU)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                   help="GPU dequant output and trunk dtype (default bfloat16)")
     p.add_argument("--no-graph", action="store_true", help="GPU: run the steps eagerly (no CUDA graph)")
     p.add_argument("--cache", help="row cache budget (e.g. 16M, 0 = off): Config(cache_bytes=...) where this build "
                                    "has a row cache; default GDS_GATHER_CACHE_BYTES or the built-in default")
@@ -36,9 +40,9 @@ def run_prefill_bench(a, cfg: Config) -> dict:
     from ..platform import detect
     from ..prefill import PrefillOptions, default_model, default_trunk, run_prefill
     q = a.quick
-    a.tokens = a.tokens or (2048 if q else 8192)
-    a.ubatch = a.ubatch or (1024 if q else 2048)
-    a.repeat = a.repeat or (2 if q else 3)
+    a.tokens = (2048 if q else 8192) if a.tokens is None else a.tokens
+    a.ubatch = (1024 if q else 2048) if a.ubatch is None else a.ubatch
+    a.repeat = (2 if q else 3) if a.repeat is None else a.repeat
     if min(a.tokens, a.ubatch, a.repeat) < 1:
         raise ValueError("--tokens, --ubatch and --repeat must be >= 1")
     plat = detect(cfg.platform)

@@ -14,11 +14,21 @@ from pathlib import Path
 import numpy as np
 
 from .. import measure
+from ..cli import MAX_UBATCH, int_in
 from ..measure import fit
 from ..config import Config
+from ..model.synth import MAX_ROWS
+from ..text import MAX_TOKENS
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HOST_BACKENDS = ("direct", "pread", "mmap", "readahead", "resident")
+
+# argparse types of the benches' counts: each at least 1, so 0 is refused on the command line (one line, exit 2)
+# before anything is built, not taken as "the default"
+COUNT = int_in(1, 2**31 - 1)
+ROWS = int_in(1, MAX_ROWS)
+TOKENS = int_in(1, MAX_TOKENS)
+UBATCH = int_in(1, MAX_UBATCH)
 
 
 def parse_size(s) -> int:

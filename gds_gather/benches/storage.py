@@ -15,7 +15,7 @@ from .. import accel as accel_mod
 from .. import measure
 from ..config import Config
 from .plot import bars, figure
-from .report import (GiB, KiB, MiB, bench_facts, cold_method, data_dir, fit, go_cold, human_size,
+from .report import (COUNT, GiB, KiB, MiB, bench_facts, cold_method, data_dir, fit, go_cold, human_size,
                      machine_title, median_run, out_dir, parse_size, print_header, write_result)
 
 XFER = {"gpu-direct": "GPUD", "cpu-gpu": "CPU_GPU", "cpu": "CPUONLY"}
@@ -28,10 +28,10 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="read this file (default: a file of --size random bytes, made once in --dir)")
     p.add_argument("--size", help="size of the made file (default 8G; --quick 256M)")
     p.add_argument("--io-size", help="comma list of I/O sizes (default 4K,64K,1M,16M; --quick 4K,1M)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=COUNT, default=1,
                    help="cpu, cpu-gpu: threads, each with its own io_uring, fd and buffer; gpu-direct: KvikIO's "
                         "thread pool size (num_threads) behind one submitter (default 1)")
-    p.add_argument("--qd", type=int, default=128,
+    p.add_argument("--qd", type=COUNT, default=128,
                    help="I/Os in flight per thread (default 128; bounded by the buffer for large I/O sizes)")
     p.add_argument("--pattern", choices=("rand", "seq"), default="rand",
                    help="rand: uniform offsets aligned to the I/O size; seq: each thread walks its own region")
@@ -299,7 +299,7 @@ def run_storage(a, cfg: Config) -> dict:
     io_sizes = [parse_size(x) for x in (a.io_size or ("4K,1M" if q else "4K,64K,1M,16M")).split(",") if x.strip()]
     seconds = a.seconds if a.seconds is not None else (1.0 if q else 5.0)
     nbytes = parse_size(a.bytes) if a.bytes else None
-    repeat = a.repeat or (2 if q else 3)
+    repeat = (2 if q else 3) if a.repeat is None else a.repeat
     warmup = a.warmup if a.warmup is not None else (0.25 if q else 1.0)
     paths = [x.strip() for x in a.path.split(",") if x.strip()]
     for x in paths:

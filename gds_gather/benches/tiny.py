@@ -34,10 +34,28 @@ def add_noise(model, seed: int = 0, scale: float = 0.05):
     return model
 
 
+def byte_tokenizer(path) -> None:
+    """Save a byte-level tokenizer to `path` (tokenizer.json + tokenizer_config.json, loadable offline by
+    AutoTokenizer): ids 0-3 are Gemma's <pad>, <eos>, <bos>, <unk> (the ids its configs name), then one id per byte,
+    so any text round-trips. Byte-level BPE without merges: `tokenizers` builds it, nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
 def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int = 128, seed: int = 0,
-         multimodal: bool = False) -> str:
+         multimodal: bool = False, tokenizer: bool = False) -> str:
     """A tiny random `kind` checkpoint saved to `path` (float32); multimodal: Gemma 4 with a one-layer vision
-    tower (Gemma4ForConditionalGeneration)."""
+    tower (Gemma4ForConditionalGeneration); tokenizer: with `byte_tokenizer` beside it."""
     import torch
     import transformers
     cls, text = text_model(kind, vocab=vocab, n_layer=n_layer, per_layer=per_layer)
@@ -52,4 +70,6 @@ def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int =
     else:
         model = cls(text)
     add_noise(model, seed + 1).eval().save_pretrained(path)
+    if tokenizer:
+        byte_tokenizer(path)
     return str(path)
