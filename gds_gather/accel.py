@@ -10,8 +10,12 @@ HostAccel's streams are deferred: an operation queued on a stream is a closure t
 synchronized, an event recorded on it is waited for, or a graph replay is run; a closure queued while its stream
 runs runs at once (the ops of a step run in order inside the step). So an ordering bug that a GPU may or may not
 show (staging read before it is written, a slot reused before its step ran, work queued on the wrong stream) gives
-wrong rows or an error on the host, every time. A wait on a flag the host has not set is an error (a GPU would
-hang). Selection is explicit (`get("cuda" | "host")`, Config.accel); nothing falls back silently.
+wrong rows or an error on the host, every time. CUDA's legacy stream (cupy's current stream and torch's default
+one, which the prefill's and callers' non-blocking streams never wait for) is HostAccel's `null` stream, deferred
+like the others: `device_array` queues its zeros on its stream as cupy's memset does, so a buffer zeroed on the
+legacy stream and used on another without ordering is wiped when the legacy stream runs, after its first use. A
+wait on a flag the host has not set is an error (a GPU would hang). Selection is explicit (`get("cuda" | "host")`,
+Config.accel); nothing falls back silently.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ class Accel:
     # memory
     def empty(self, nbytes: int): raise NotImplementedError
     def grow(self, old, nbytes: int, keep: int, device_id: int = 0): raise NotImplementedError  # old[:keep] kept
-    def device_array(self, n: int, dtype): raise NotImplementedError       # zeros of a numpy dtype (cupy / host)
+    def device_array(self, n: int, dtype, stream=None): raise NotImplementedError   # zeros queued on `stream`
     def pinned_array(self, n: int, dtype): raise NotImplementedError       # page-locked numpy array, zeros
     def zeros(self, n: int, dtype): raise NotImplementedError              # torch tensors (the prefill's trunk)
     def pinned(self, n: int, dtype): raise NotImplementedError
@@ -72,6 +76,7 @@ class Accel:
         raise NotImplementedError
     def take_rows(self, staging, offsets, inverse, row_bytes, shape, stream): raise NotImplementedError
     def defer(self, stream, fn): raise NotImplementedError     # fn in stream order (CUDA: now, on that stream)
+    def order(self, stream, after=None): raise NotImplementedError  # stream's later work after `after`'s so far
     def to_host(self, ids, stream) -> np.ndarray: raise NotImplementedError  # copied down on stream, host waits
     def ids_like(self, host: np.ndarray, like, stream): raise NotImplementedError  # host ints up, of `like`'s kind
     def warmup(self, qtypes, dtype) -> None: pass
@@ -120,8 +125,10 @@ class CudaAccel(Accel):
                 cp.cuda.Device().synchronize()
         return new
 
-    def device_array(self, n, dtype):
-        return self._cp().zeros(int(n), dtype)
+    def device_array(self, n, dtype, stream=None):
+        cp = self._cp()
+        with arrays.cupy_stream(stream):        # cupy.zeros memsets on cupy's current stream: the caller's
+            return cp.zeros(int(n), dtype)
 
     def pinned_array(self, n, dtype):
         dt = np.dtype(dtype)
@@ -193,6 +200,10 @@ class CudaAccel(Accel):
 
     def defer(self, stream, fn):
         return fn()
+
+    def order(self, stream, after=None):
+        import torch
+        stream.wait_stream(torch.cuda.current_stream() if after is None else after)    # (torch streams)
 
     def to_host(self, ids, stream):
         return self._cp().asnumpy(arrays.to_cupy(ids), stream=arrays.cupy_stream(stream))   # (blocking)
@@ -450,8 +461,13 @@ class HostAccel(Accel):
             new[:keep] = old[:keep]
         return new
 
-    def device_array(self, n, dtype):
-        return _dev(np.zeros(int(n), dtype))
+    def device_array(self, n, dtype, stream=None):
+        a = _dev(np.zeros(int(n), dtype))
+
+        def memset():       # as cupy's memsetAsync: in `stream`'s order, whatever was written there before
+            a[...] = 0
+        self.current(stream).enqueue(memset)
+        return a
 
     def pinned_array(self, n, dtype):
         return np.zeros(int(n), dtype)
@@ -556,6 +572,15 @@ class HostAccel(Accel):
 
     def defer(self, stream, fn):
         self.current(stream).enqueue(fn)
+
+    def order(self, stream, after=None):
+        mark = self.event()
+        mark.record(after)
+
+        def wait():         # as cudaStreamWaitEvent: `after`'s work up to the mark runs first (no host sync counted)
+            if not mark.done:
+                mark.stream.run(until=mark)
+        self.current(stream).enqueue(wait)
 
     def to_host(self, ids, stream):
         self.current(stream).synchronize()       # a blocking copy down on `stream`: its earlier work has run

@@ -70,6 +70,12 @@ def cupy_stream(stream):
         else cupy.cuda.Stream.from_external(StreamRef(stream_ptr(stream)))
 
 
+def torch_stream(handle: int, device=None):
+    """A torch stream object for a raw handle (torch.cuda.ExternalStream: wraps it without owning it)."""
+    import torch
+    return torch.cuda.ExternalStream(int(handle), device=device)
+
+
 class StreamRef:
     """A raw stream handle speaking the CUDA stream protocol (for cupy.cuda.Stream.from_external)."""
 

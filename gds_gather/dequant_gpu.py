@@ -375,9 +375,9 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     inverse values are not bounds-checked on the device: they must come from a plan for this staging buffer.
     First use of a type compiles its module and uploads the tables (once per process and device); call
     `warmup` before capturing a CUDA graph. Under ``torch.cuda.graph`` pass torch tensors (the output is then
-    allocated from the graph's pool) and the kernel is captured on the capturing stream. A torch output made
-    here is allocated on torch's current stream: with an explicit `stream`, prefer ``torch.cuda.stream(s)``
-    (or pass `out`).
+    allocated from the graph's pool) and the kernel is captured on the capturing stream. An output made here is
+    allocated on the kernel's stream (torch's caching allocator and cupy's pool then hand its memory to another
+    array only in that stream's order).
     """
     g = check_launch(staging, row_offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer)
     cp = _cupy()
@@ -386,8 +386,7 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     with cp.cuda.Device(g.dev), arrays.cupy_stream(handle):
         if out is None:
             if g.kind == "torch":
-                import torch
-                out = torch.empty(g.shape, dtype=getattr(torch, g.name), device=inverse.device)
+                out = _torch_empty(g.shape, g.name, inverse.device, handle)
             else:
                 out = cp.empty(g.shape, dtype=np.uint16 if g.name == "bfloat16" else g.name)
         out_ptr = check_out(out, g)
@@ -400,6 +399,18 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
             np.int64(g.n), np.int32(g.row_elems), np.int32(g.seg), np.int32(rpc),
             np.float32(1.0 if scale is None else scale), np.int32(scale is not None)))
     return out
+
+
+def _torch_empty(shape, name: str, device, handle: int):
+    """A torch tensor allocated on the stream `handle`: torch's current stream where it is that one (as under
+    graph capture, whose pool is tied to the capturing stream object), else a wrapper of the handle made current
+    for the allocation."""
+    import torch
+    dtype = getattr(torch, name)
+    if int(torch.cuda.current_stream(device).cuda_stream) == handle:
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.cuda.stream(arrays.torch_stream(handle, device)):
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,16 @@ KEPT_WHILE_QUEUED: list = []    # (readers, destination) closed with device work
 class Spec:
     """What a destination is built for: `table`'s rows on `accel`, read by `backend` (or cuFile for gds), at most
     `n_ids` row ids per batch, `slots` staging slots, `bound` bytes of window staging per slot (a plan's windows
-    must fit; schedule.staging_bound_for gives the most any plan of n_ids can need)."""
+    must fit; schedule.staging_bound_for gives the most any plan of n_ids can need). `stream`: the stream whose
+    work first uses the destination's device buffers (None: the accel's current one); they are zeroed there, since
+    a memset on another stream (cupy's legacy stream) is not ordered with that work and may land after it."""
     table: object
     accel: object
     backend: str
     n_ids: int
     bound: int
     slots: int = 2
+    stream: object = None
 
     def new_reader(self, mode: str):
         t = self.table
@@ -43,6 +46,13 @@ class Spec:
             from .device import GdsReader
             return t.region.open(GdsReader, t.config, accel=self.accel)
         return t.region.open(HOST_READERS[self.backend], t.config)
+
+
+def mode_for(backend: str, mode: str) -> str:
+    """The destination mode for rows of `backend` that must end in device memory, given choose_device's `mode`:
+    the "resident" backend (the upper bound: the whole table in memory, no I/O) keeps the whole table in device
+    memory (Resident); every other backend keeps `mode`."""
+    return "resident" if backend == "resident" else mode
 
 
 def align_for(table, mode: str) -> int:
@@ -127,7 +137,7 @@ class _Offsets(Destination):
         super().__init__(spec, readers)
         a, N = self.accel, self.N
         self.offs_pin = [a.pinned_array(N, np.int64) for _ in range(spec.slots)]
-        self.offs_d = a.device_array(N, np.int64)
+        self.offs_d = a.device_array(N, np.int64, spec.stream)
         self.views = [None] * spec.slots
 
     def put(self, s: int, offs: np.ndarray) -> None:
@@ -166,7 +176,7 @@ class Copy(Destination):
         a, N, rb = self.accel, self.N, self.t.row_bytes
         self.rows_pin = [a.pinned_array(N * rb, np.uint8) for _ in range(spec.slots)]
         self.rows_d = a.empty(N * rb)
-        self.offs_compact = a.device_array(N, np.int64)     # row k at k x row_bytes, uploaded by the first step
+        self.offs_compact = a.device_array(N, np.int64, spec.stream)    # row k at k x row_bytes, by the first step
         self.offs_ready = False
 
     def stage(self, plan, s):
@@ -229,8 +239,8 @@ class _Cached(_Offsets):
         self.dc = dc
         self.ctl_pin = [a.pinned_array(2, np.int64) for _ in range(spec.slots)]
         self.adm_pin = [a.pinned_array(2 * N, np.int64) for _ in range(spec.slots)]
-        self.ctl_d = a.device_array(2, np.int64)
-        self.adm_d = a.device_array(2 * N, np.int64)
+        self.ctl_d = a.device_array(2, np.int64, spec.stream)
+        self.adm_d = a.device_array(2 * N, np.int64, spec.stream)
 
     @property
     def how(self) -> str:

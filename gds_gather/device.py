@@ -6,6 +6,7 @@ has it, KvikIO's compat path otherwise). Nothing here is imported on the CPU pat
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ from .readers import GDS_ALIGN, check_file
 log = logging.getLogger(__name__)
 
 HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2
+_KVIKIO_LOCK = threading.Lock()
+_KVIKIO_SET: list = []      # [(kvikio module, threads, answer)] of the last configuration (the module kept alive)
 
 
 def _cp():
@@ -77,11 +80,22 @@ def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
     Threads and a GDS threshold of 0 (KvikIO's 1 thread and 16 KiB threshold would serialize and bypass GDS for
     small reads); without real GPU-direct storage also `auto_direct_io_read` (KvikIO >= 25.12), since KvikIO's
     compat-mode POSIX reads are buffered otherwise and repeated "cold" reads would measure the page cache.
-    `kvikio`: the module (tests pass a stand-in)."""
+    Once per process and thread count: setting the thread count rebuilds KvikIO's pool (it waits for the reads
+    in flight), so a reader opened with the count already set leaves it alone. `kvikio`: the module (tests pass
+    a stand-in)."""
     if kvikio is None:
         import kvikio
         import kvikio.cufile_driver
         import kvikio.defaults
+    with _KVIKIO_LOCK:
+        if _KVIKIO_SET and _KVIKIO_SET[0][0] is kvikio and _KVIKIO_SET[0][1] == threads:
+            return _KVIKIO_SET[0][2]
+        answer = _configure(threads, kvikio)
+        _KVIKIO_SET[:] = [(kvikio, threads, answer)]
+        return answer
+
+
+def _configure(threads: int, kvikio) -> tuple[bool, str]:
     d = kvikio.defaults
     try:
         d.set({"num_threads": threads, "gds_threshold": 0})
@@ -105,11 +119,28 @@ def configure_kvikio(threads: int, kvikio=None) -> tuple[bool, str]:
                    "auto_direct_io_read; 25.12+ has), no GPU-direct DMA")
 
 
+def read_runs(plan: ReadPlan, file_size: int):
+    """The plan's windows as the fewest reads: windows that follow each other both in the file and in the
+    staging (the planner's window-size cuts, or windows that touch) are one read. (file offsets, staging offsets,
+    bytes each read spans, bytes the file has of them), int64 arrays; vectorized."""
+    off, ln, st = plan.win_offsets, plan.win_lengths, plan.win_staging
+    w = off.shape[0]
+    brk = np.ones(w, bool)
+    np.not_equal(off[1:], off[:-1] + ln[:-1], out=brk[1:])
+    brk[1:] |= st[1:] != st[:-1] + ln[:-1]
+    heads = np.flatnonzero(brk)
+    tails = np.append(heads[1:], w) - 1
+    span = off[tails] + ln[tails] - off[heads]
+    return off[heads], st[heads], span, np.clip(file_size - off[heads], 0, span)
+
+
 class GdsReader:
     """KvikIO/cuFile (accel.cufile): aligned windows read straight into device memory.
 
-    KvikIO's Python API takes one call per read, so this submits one pread per window (each split by KvikIO's
-    thread pool): it suits large rows (Gemma's 7 KiB) far better than qwen4exp's 90-byte ones.
+    KvikIO's Python API takes one call per read: a plan's runs of adjacent windows are one pread each
+    (`read_runs`), every one submitted before any is waited for, each split across KvikIO's thread pool. Windows
+    apart in the file stay apart (the planner bridges gaps: Config.max_gap), so small scattered rows still cost a
+    call each: this suits large rows (Gemma's 7 KiB) far better than qwen4exp's 90-byte ones.
     """
 
     name = "gds"
@@ -152,8 +183,7 @@ class GdsReader:
             raise BackendError(f"gds: plan at {plan.align}-byte alignment; plan at Table.gds_align ({GDS_ALIGN})")
         dev = self.dev.ensure(plan.window_bytes)
         futures = []
-        for off, n, st in zip(plan.win_offsets.tolist(), plan.win_lengths.tolist(), plan.win_staging.tolist()):
-            want = min(n, self.file_size - off)
+        for off, st, n, want in zip(*(a.tolist() for a in read_runs(plan, self.file_size))):
             futures.append((off, want, self.file.pread(dev[st:st + n], want, off)))
         for off, want, fu in futures:
             got = fu.get()

@@ -30,7 +30,7 @@ from . import quants
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import BackendError
-from .destinations import Spec, align_for, build
+from .destinations import Spec, align_for, build, mode_for
 from .graph import refused_in
 from .schedule import graph_mode, run_ubatches, staging_bound_for
 
@@ -116,9 +116,7 @@ class GpuPrefill:
         self.R = mapper.rows_per_token
         self.N = ubatch * self.R
         name, mode, self.why = choose_device(table, backend, self.cfg, state=self.accel.gds_state)
-        if name == "resident":
-            mode = "resident"
-        self.backend, self.mode = name, mode
+        self.backend, self.mode = name, mode_for(name, mode)
         self.dest, self.closed, self.stream = None, False, None
         try:
             self._setup(table, mapper, ubatch, trunk, seed)
@@ -135,8 +133,10 @@ class GpuPrefill:
         self.kargs = self.family.kernel_args()
         self.tokens_pin = [a.pinned(ubatch, torch.int64) for _ in range(2)]
         self.inv_pin = [a.pinned(self.N, torch.int32) for _ in range(2)]
-        self.tokens_d = a.zeros(ubatch, torch.int64)
-        self.inv_d = a.zeros(self.N, torch.int32)
+        with a.using(self.stream):      # allocated and zeroed in the order of the stream that uses them
+            self.tokens_d = a.zeros(ubatch, torch.int64)
+            self.inv_d = a.zeros(self.N, torch.int32)
+        a.order(self.stream)            # the trunk's weights were written on the current (default) stream
         self.flags = None
         if self.graph:
             try:
@@ -147,8 +147,9 @@ class GpuPrefill:
         self.events = [None, None]
         # captured sizes: the most window staging any plan of N ids can need, gaps included (never regrown)
         self.align = align_for(table, self.mode)
-        spec = Spec(table, a, self.backend, self.N, staging_bound_for(table, self.N, self.align))
+        spec = Spec(table, a, self.backend, self.N, staging_bound_for(table, self.N, self.align), stream=self.stream)
         self.dest, self.mode = build(spec, self.mode, a.prefill_device())
+        a.synchronize(self.stream)      # the set-up's queued zeros and waits are done: close never finds them queued
         self.graphs: dict = {}
         self.g_events: dict = {}
         self.stats = Stats()

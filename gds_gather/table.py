@@ -238,7 +238,7 @@ class Table:
         made the staging's (_turn) and waited for."""
         if mode == "gds":
             plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
-        dest = self._destination(name, mode, plan)
+        dest = self._destination(name, mode, plan, s)
         return _through_slot(dest, plan, s)
 
     def _turn(self, stream):
@@ -254,9 +254,10 @@ class Table:
         last.used(stream, s)
         return s
 
-    def _destination(self, name: str, mode: str, plan: ReadPlan):
+    def _destination(self, name: str, mode: str, plan: ReadPlan, s):
         """The (name, mode) destination, built (or rebuilt at least twice as large) where `plan` does not fit its
-        slot; the streams that used the old one are done with it (its caller waited, or with host_ids the
+        slot, its device buffers zeroed on `s`, the stream that uses them first (a later stream waits for the last
+        one: _turn); the streams that used the old one are done with it (its caller waited, or with host_ids the
         caller did)."""
         key = (name, mode)
         d = self._dests.get(key)
@@ -275,7 +276,7 @@ class Table:
         if d is not None:               # never smaller than the slot it replaces (no rebuild back and forth)
             n, bound = max(n, 2 * d.N), max(bound, 2 * d.spec.bound)
         # (a proxy: the finalizer holds the destinations, which must not keep the Table alive)
-        spec = destinations.Spec(weakref.proxy(self), a, name, n, bound, slots=1)
+        spec = destinations.Spec(weakref.proxy(self), a, name, n, bound, slots=1, stream=s)
         d, _ = destinations.build(spec, mode, a.dev_id())
         self._dests[key] = d
         log.info("%s: GPU rows via %s -> %s (a slot of %d rows)", self.path.name, name, d.how, n)
@@ -283,9 +284,11 @@ class Table:
 
     def device_choice(self, backend: str = "auto") -> tuple[str, str, str]:
         """(backend, destination mode, why) of rows that must end in GPU memory, asked once per backend (the one
-        gds-or-direct decision, backends.choose_device)."""
+        gds-or-direct decision, backends.choose_device; the "resident" backend keeps the whole table in device
+        memory, as the prefill's: destinations.mode_for)."""
         if backend not in self._device_choices:
-            self._device_choices[backend] = choose_device(self, backend, self.config, state=self.accel.gds_state)
+            name, mode, why = choose_device(self, backend, self.config, state=self.accel.gds_state)
+            self._device_choices[backend] = (name, destinations.mode_for(name, mode), why)
         return self._device_choices[backend]
 
     def gds_faster(self) -> tuple[bool, str]:

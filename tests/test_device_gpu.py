@@ -155,6 +155,14 @@ with gg.open_table(path, config=cfg) as t:
     pipe._stage = orig                          # the GPU is usable again: a whole run completes
     res = pipe.run(tokens, collect=True)
     print("OK", len(res["outputs"]), pipe.flags.host.tolist() if pipe.flags is not None else [0, 0], flush=True)
+    ref = GpuPrefill(t, mapper, backend="resident", ubatch=256, graph=False, dtype="float32", trunk="tiny",
+                     config=cfg)               # the oracle: the whole table in device memory, eager, no I/O
+    try:
+        want = ref.run(tokens, collect=True)["outputs"]
+    finally:
+        ref.close()
+    err = max(float((x - x0).abs().max()) for o, o0 in zip(res["outputs"], want) for x, x0 in zip(o, o0))
+    print("VALUES", "SAME" if len(want) == len(res["outputs"]) == 6 and err <= 1e-4 else "DIFFER", err, flush=True)
     if pipe.dest.capacity[0] is not None:       # a plan larger than the captured staging is refused
         pipe.dest.capacity = [1, 1]
         try:
@@ -180,14 +188,15 @@ def test_read_error_mid_prefill_returns_promptly(tmp_path, backend, platform, gr
         pytest.importorskip("kvikio")
     from gds_gather.model.synth import write_model
     path = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="IQ4_NL", rows=30000, progress=False)
-    res = subprocess.run([sys.executable, "-c", _INJECT, str(path), backend, platform, "1" if graph else "0"],
-                         capture_output=True, text=True, timeout=240)
+    res = subprocess.run([sys.executable, "-P", "-c", _INJECT, str(path), backend, platform, "1" if graph else "0"],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = res.stdout
     assert res.returncode == 0 and "DONE" in out, (out, res.stderr[-3000:])
     err = next(ln for ln in out.splitlines() if ln.startswith("ERR"))
     assert float(err.split()[1]) < 30.0
     assert "ubatch 3 of 6" in err and "released and drained" in err
     assert "OK 6 [0, 0]" in out
+    assert "VALUES SAME" in out, out          # the run after the error: the resident table's per-layer inputs
     if platform == "unified" or backend == "gds":     # captured staging: the size guard refuses, then runs again
         assert "REFUSED" in out and "AGAIN 6" in out
 
@@ -216,6 +225,102 @@ def test_side_stream_gather_copies_and_launches_on_torchs_stream(tmp_path, ggufs
         got = t.gather(torch.as_tensor(ids, device="cuda"))
         s.synchronize()
         np.testing.assert_array_equal(got.cpu().numpy(), ref[ids])
+
+
+@pytest.mark.parametrize("cache", [0, 1 << 20], ids=["copy", "copy+cache"])
+def test_a_busy_legacy_stream_before_the_first_side_stream_gather(tmp_path, ggufs, cache):
+    """Issue 34: the destination is built during the first gather on a side stream while stream 0 is kept busy
+    (a sleep queued there): its buffers are zeroed on the side stream, so no memset lands after their first use;
+    the gathers after stream 0 ran are exact too (a compact destination's offsets are uploaded once)."""
+    torch = pytest.importorskip("torch")
+    rows = ggufs.rows(Q.Q8_0, 4000, 160, seed=6)
+    path = ggufs.write(tmp_path / "t.gguf", rows, Q.Q8_0)
+    ref = ggufs.reference(path)
+    rng = np.random.default_rng(6)
+    batches = [rng.integers(0, 4000, (400, 3)) for _ in range(3)]
+    dev_ids = [torch.as_tensor(b, device="cuda") for b in batches]
+    torch.cuda.synchronize()                        # the ids are in place before stream 0 is kept busy
+    s = torch.cuda.Stream()
+    got = []
+    with gg.open_table(path, config=gg.Config(platform="discrete", cache_bytes=cache)) as t:
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(1_000_000_000)        # about half a second on the legacy stream
+        got += [t.gather(dev_ids[0], "direct", stream=s), t.gather(dev_ids[1], "direct", stream=s)]
+        s.synchronize()
+        torch.cuda.synchronize()                    # stream 0's work has run now
+        got += [t.gather(dev_ids[2], "direct", stream=s), t.gather(dev_ids[0], "direct", stream=s)]
+        s.synchronize()
+        assert t.readers()[1][0].name == "copy"
+    for g, b in zip(got, batches + batches[:1]):
+        np.testing.assert_array_equal(g.cpu().numpy(), ref[b])
+
+
+@pytest.mark.parametrize("trunk", ["none", "tiny"])
+def test_an_eager_prefill_after_a_long_default_stream_sleep(tmp_path, trunk):
+    """Issue 34: GpuPrefill set up while the default stream sleeps (its zeros, and the trunk's weights, queue
+    behind the sleep unless made on or ordered before the prefill's stream), run eagerly at once: the per-layer
+    inputs are the CPU pipeline's (rows bit for bit without the trunk; with it, the same float32 math on
+    another device)."""
+    torch = pytest.importorskip("torch")
+    from gds_gather.model.synth import write_model
+    from gds_gather.pipeline import CpuPrefill, GpuPrefill
+    from gds_gather.prefill import RowMapper
+    path = write_model(tmp_path / "g.gguf", "gemma4-e2b", qtype="Q8_0", rows=3000, progress=False)
+    cfg = gg.Config(platform="discrete", cache_bytes=0)
+    with gg.open_table(path, config=cfg) as t:
+        m = RowMapper(t)
+        tok = np.random.default_rng(7).integers(1, min(m.n_vocab, t.n_rows), 300)
+        want = CpuPrefill(t, m, backend="direct", ubatch=128, trunk=trunk, seed=34).run(tok, collect=True)["outputs"]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(2_000_000_000)        # about a second on the default stream
+        p = GpuPrefill(t, m, backend="direct", ubatch=128, graph=False, dtype="float32", trunk=trunk, seed=34,
+                       config=cfg)
+        try:
+            got = p.run(tok, collect=True)["outputs"]
+        finally:
+            p.close()
+    assert len(got) == len(want) == 3
+    for (ple, hid), (ple0, hid0) in zip(got, want):
+        if trunk == "none":
+            n = ple0.shape[0] // m.rows_per_token
+            ple0 = (ple0.view(n, m.n_layer, m.per_layer) * m.row_scale).permute(1, 0, 2).contiguous()
+            assert torch.equal(ple, ple0)
+        else:
+            torch.testing.assert_close(ple, ple0, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(hid, hid0, rtol=1e-3, atol=1e-3)
+
+
+def test_a_replay_waits_for_its_flag():
+    """Issue 34: a captured step that starts with the wait on host flag 1 (graph.py) is not done before the host
+    sets the flag and is done after it, with the flag re-armed to 0 by the step itself; twice."""
+    torch = pytest.importorskip("torch")
+    import time
+    from gds_gather import accel
+    a = accel.get("cuda")
+    s = torch.cuda.Stream()
+    flags = a.flags(2)
+    flags.probe(s)
+    x = torch.zeros(1024, device="cuda")
+    torch.cuda.synchronize()
+
+    def step():
+        flags.wait(s, 1, 1)
+        x.add_(1)
+        flags.write(s, 1, 0)
+        return (x,)
+    g, _ = a.capture(s, step)
+    for k in (1, 2):
+        done = torch.cuda.Event()
+        with torch.cuda.stream(s):
+            g.replay()
+            done.record(s)
+        time.sleep(0.2)
+        early = done.query()
+        flags.set(1, 1)                             # released before any assert: a failed one must not hang
+        done.synchronize()
+        assert not early, "the replay ran before its flag was set"
+        assert flags.host.tolist() == [0, 0] and torch.equal(x.cpu(), torch.full((1024,), float(k)))
 
 
 def test_cupy_stream_wraps_a_torch_stream_without_deprecation():
@@ -264,8 +369,8 @@ def test_close_waits_for_queued_kernels_reading_the_staging(table_and_rows):
     import subprocess
     import sys
     path, rows = table_and_rows
-    r = subprocess.run([sys.executable, "-c", _CLOSE_EARLY, str(path), str(rows.shape[0])], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-P", "-c", _CLOSE_EARLY, str(path), str(rows.shape[0])], capture_output=True,
+                       text=True, timeout=120, cwd=path.parent)
     assert r.returncode == 0 and "SAME" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 

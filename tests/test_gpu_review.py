@@ -118,6 +118,10 @@ class FakeCuda:
             def ptr(self):
                 return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
 
+        def zeros(n, dtype=np.uint8):      # cupy.zeros: a memset queued on cupy's current stream
+            fake.log.append(("memset", fake.current[-1].ptr))
+            return DevArray(np.zeros(n, dtype), fake)
+
         self.current = [Stream(NULL)]
         rt = types.SimpleNamespace(hostRegister=host_register, hostUnregister=host_unregister,
                                    memcpyAsync=memcpy_async, memcpyHostToDevice=1, is_hip=False,
@@ -129,7 +133,7 @@ class FakeCuda:
         self.module.__dict__.update(
             cuda=self.cuda, uint8=np.uint8, int64=np.int64, int32=np.int32, ndarray=DevArray,
             empty=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
-            zeros=lambda n, dtype=np.uint8: DevArray(np.zeros(n, dtype), fake),
+            zeros=zeros,
             asarray=self._asarray, asnumpy=self._asnumpy,
             from_dlpack=lambda x: DevArray(x.a, fake), arange=lambda *a: DevArray(np.arange(*a), fake))
 
@@ -266,9 +270,9 @@ def test_torch_ids_queue_everything_on_torchs_current_stream(fake_cuda, small_ta
         for _ in range(2):          # the second batch: device-cache hits and admissions
             got = t.gather(TorchCudaIds(ids))
             np.testing.assert_array_equal(np.asarray(got), want)
-    queued = fake_cuda.streams("h2d", "set", "asarray", "kernel", "launch")
-    assert queued == {TORCH_STREAM}, fake_cuda.log
-    assert ("launch", TORCH_STREAM) in fake_cuda.log
+    queued = fake_cuda.streams("h2d", "set", "asarray", "kernel", "launch", "memset")
+    assert queued == {TORCH_STREAM}, fake_cuda.log      # the destination's zeros too (issue 34): not stream 0
+    assert ("launch", TORCH_STREAM) in fake_cuda.log and ("memset", TORCH_STREAM) in fake_cuda.log
 
 
 def test_torch_ids_read_rows_on_torchs_current_stream(fake_cuda, small_table):
