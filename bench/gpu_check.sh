@@ -1,94 +1,145 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317   # functions run through `step` (timeout + bash -c), not called directly
-# One-command GPU check on an offline GPU machine: check the imports, install, run the `gpu` tests and short
-# versions of the benches, and end with ONE JSON summary plus the log.
+# One-command GPU check on an offline GPU machine (the first run on a GPU: one call, at most 600 s, of which the
+# steps below may take 540): install, compile everything once, run the part of the `gpu` tests only a GPU can
+# show and one line each of the storage and prefill benches, and end with ONE JSON summary plus the logs.
 #
 #     bash bench/fetch_wheels.sh            # beforehand, on a machine with PyPI: wheels the image lacks -> .whl/
 #     bash bench/gpu_check.sh OUTDIR        # on the GPU machine (carry .whl with the checkout)
 #
-# Steps, each under its own `timeout`, each run even if an earlier one failed, within GPU_CHECK_BUDGET seconds
-# (default 540, the H200 allowance; a step the budget cannot fit is "not run: budget"). GPU_CHECK_ONLY=a,b runs
-# only the steps named (the others are "skipped: not selected"), to split the check over two device calls:
-#   imports   every module the run needs, checked on this machine first; what is missing is printed
-#   wheels    .whl/*.whl -> pip install --no-index --no-deps --target $SITE (works where PEP 668 refuses a
-#             system install); $SITE goes first on PYTHONPATH
-#   package   this checkout as a tiny site dir ($SITE_PKG/gds_gather: symlinks to gds_gather/*, plus model/ and
-#             kernels/ as gds_gather.model and gds_gather.kernels); every Python runs with -P, so the
-#             checkout's own gds_gather/ (which lacks those two) never shadows it
-#   facts     python, where each module comes from, platform detection, backends
-#   gpu-selection  every `gpu` test belongs to exactly one of the test steps below (else it fails, naming them),
-#             from one collection; the summary also compares that count with the test steps' junit XMLs
-#   test-kernels, test-device, test-faults, test-prefill, test-other: pytest -m gpu on a part of the suite, each
-#             with its own limit and its own junit XML, so a slow part cannot hide the others' results; zero
-#             collected tests is a failure
-#   bench-kernels, bench-storage, bench-gather, bench-prefill (--targets: graph vs no-graph, ratios)
-# Without a GPU (no nvidia-smi -L, or cupy sees no device) every GPU step is "skipped: no GPU"; the test steps then
-# only collect their part, to prove it is not empty ("skipped: no GPU (N collected)").
+# Steps, each under its own `timeout` (its cap, in seconds, below), each run even if an earlier one failed, within
+# GPU_CHECK_BUDGET seconds (default 540; a step the budget cannot fit is "not run: budget"). The caps sum to 495 s,
+# under 540 with a margin, so the budget never cuts a step short. GPU_CHECK_ONLY=a,b runs only the steps named
+# (the others are "skipped: not selected").
+#   nvidia-smi   10  the GPU, driver and memory (only where nvidia-smi exists)
+#   wheels       30  .whl/*.whl -> pip install --no-index --no-deps --target $WORK/site (works where PEP 668 refuses
+#                    a system install); that directory goes first on PYTHONPATH
+#   package      10  this checkout's gds_gather/ is the whole package (gds_gather.model and gds_gather.kernels are
+#                    symlinks to model/ and kernels/): PYTHONPATH=$REPO, nothing installed; checks it imports from
+#                    here, with the kernel sources and the model modules (child Pythons inherit the PYTHONPATH)
+#   imports      25  every module the run needs (cupy: where an NVIDIA driver answers); what is missing is printed
+#   facts        15  python, where each module comes from, platform detection, backends
+#   compile      70  once, so that compile errors show here and later steps find the results cached: the host build
+#                    of kernels/host_check.cu (g++; dequant_gpu.host_library, cached under $TMPDIR), the native
+#                    helpers (native.build into $XDG_CACHE_HOME/gds-gather), and with a GPU every NVRTC module:
+#                    dequant_gpu's one module per supported type (all kernels of each; GPU_CHECK_COMPILE_THREADS
+#                    at a time, default 4; a type that fails is compiled again alone before it counts as an error)
+#                    and devcache's copy.cu (CuPy's cache: CUPY_CACHE_DIR=$WORK/cupy-cache); then a new process
+#                    loads one of each and says whether CuPy's disk cache spared it the compile (CuPy reuses it for
+#                    modules with name_expressions only in its newer releases). Without a GPU: NVRTC "skipped: no
+#                    GPU", the host build and native helpers still built. Its parts: $WORK/compile.json -> summary.
+#   test-kernels 55  tests/test_kernels_gpu.py: every kernel exact against the reference on the device
+#   test-device  50  tests/test_device_gpu.py but the fault tests and the per-type Table sweep: every backend and
+#                    destination (eager) with values, streams, close, refusals
+#   test-faults  45  the read-error-mid-prefill (fault path) tests
+#   test-prefill 85  tests/test_prefill.py: graph vs eager-resident for each destination and the device row cache
+#                    (graph and eager), on qwen4exp; per-layer inputs against the CPU for every model family
+#   bench-storage 25  one line: gpu-direct (KvikIO/cuFile into GPU memory), 1 MiB random reads
+#   bench-prefill 45  one line: direct, cold, CUDA graph, the tiny trunk (with the untimed warm-up and carried run)
+#   gpu-list     30  every `gpu` test, collected once: the summary lists those no step ran ("not in the first run")
+# Each test step runs pytest -m gpu -v on its part, its output streamed (tee) into OUTDIR/STEP.log as it goes and a
+# junit XML written at the end: a step killed by its cap still has a line per test it finished and names the
+# test it was in; the summary reads the junit, else that log. Without a GPU (no nvidia-smi -L, or cupy sees no
+# device) the test steps still run: conftest.py marks every gpu test skipped, so each step lists its tests
+# ("skipped: no GPU (N collected)"); the benches are "skipped: no GPU".
 #
-# OUTDIR receives at most 8 files: summary.json (the one summary: every step's status and seconds, missing
-# imports, tests passed/failed/skipped per step and per file from the junit XMLs, kernel GB/s per type vs the D2D
-# copy, graph vs eager prefill, prefill ratios and targets), gpu_check.log (everything), gpu_tests.xml (the test
-# steps' junit XMLs in one file) and bench_{kernels,storage,gather,prefill}.json. GPU_CHECK_PLOTS=1 adds the
-# bench plots (3 more files).
-# Exit status: 0 when every step is ok or "skipped: no GPU"; 1 when any failed, timed out or was not run;
-# 2 for bad usage.
+# Environment for every step: HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 (no network), XDG_CACHE_HOME=$WORK/cache,
+# CUPY_CACHE_DIR=$WORK/cupy-cache, PYTHONPATH=$WORK/site:$REPO. $WORK: GPU_CHECK_WORK, default
+# /tmp/gds-gather-gpu-check.
+#
+# OUTDIR receives summary.json (every step's status, seconds, cap; the compile step's parts; each test step's
+# per-test lines and counts; the tests no step ran; missing imports; the bench lines; caps_sum_s),
+# gpu_check.log (everything), STEP.log per test step, gpu_tests.xml (the test steps' junit XMLs in one file) and
+# bench_{storage,prefill}.json.
+# Exit status: 0 when every step is ok or skipped; 1 when any failed, timed out or was not run; 2 for bad usage.
 set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${GPU_CHECK_WORK:-/tmp/gds-gather-gpu-check}
 BUDGET=${GPU_CHECK_BUDGET:-540}
-SITE=${GPU_CHECK_SITE:-/tmp/gds-gather-site}
 mkdir -p "$OUT" "$WORK" || exit 2
 OUT=$(cd "$OUT" && pwd)
+WORK=$(cd "$WORK" && pwd)
+SITE=$WORK/site
 LOG="$OUT/gpu_check.log"
 STEPS="$WORK/steps.tsv"
+CAPS_TSV="$WORK/caps.tsv"
 : >"$STEPS"
 cd "$REPO" || exit 2
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 PY=${PYTHON:-python3}
-PYP=("$PY" -P)          # -P: the checkout's directory is never put first on sys.path
-export PY OUT REPO SITE WORK
+PYP=("$PY" -P)          # -P: nothing but PYTHONPATH decides where gds_gather comes from
 T0=$(date +%s)
 GPU=0
+
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export XDG_CACHE_HOME=$WORK/cache CUPY_CACHE_DIR=$WORK/cupy-cache
+mkdir -p "$XDG_CACHE_HOME" "$CUPY_CACHE_DIR" || exit 2
+export PY OUT REPO SITE WORK
 
 JUNIT="$WORK/junit"
 rm -rf "$JUNIT" && mkdir -p "$JUNIT" || exit 2
 export JUNIT
 
-record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; }   # NAME STATUS SECONDS
+# The caps of every step, in the order they run (the summary sums them: caps_sum_s).
+CAPS="nvidia-smi 10
+wheels 30
+package 10
+imports 25
+facts 15
+compile 70
+test-kernels 55
+test-device 50
+test-faults 45
+test-prefill 85
+bench-storage 25
+bench-prefill 45
+gpu-list 30"
+tr ' ' '\t' <<<"$CAPS" >"$CAPS_TSV"
+cap() { awk -v n="$1" '$1 == n {print $2}' <<<"$CAPS"; }
+
+# The test steps, one a line: NAME|pytest arguments separated by ';' (files, and -k where a file is split). The
+# first run's matrix: what only a GPU can show. Gpu tests in none of them are listed in the summary, not run.
+TEST_STEPS="test-kernels|tests/test_kernels_gpu.py
+test-device|tests/test_device_gpu.py;-k;not read_error and not every_type
+test-faults|tests/test_device_gpu.py;-k;read_error
+test-prefill|tests/test_prefill.py;-k;(qwen4exp and not evicting) or per_layer_inputs"
+export TEST_STEPS
+
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STEPS"; }   # NAME STATUS SECONDS LIMIT
 
 selected() {   # is step NAME in GPU_CHECK_ONLY (or is there no selection)?
     [[ -z ${GPU_CHECK_ONLY:-} || ,$GPU_CHECK_ONLY, == *,$1,* ]]
 }
 
-step() {   # step NAME CAP_SECONDS COMMAND...: run under timeout; record ok / failed (exit N) / timeout
-    local name=$1 cap=$2
-    shift 2
+step() {   # step NAME COMMAND...: run under timeout (the step's cap); record ok / failed (exit N) / timeout
+    local name=$1 cap
+    shift
+    cap=$(cap "$name")
     if ! selected "$name"; then
         echo "== $name: skipped: not selected (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)"
-        record "$name" "skipped: not selected" 0
+        record "$name" "skipped: not selected" 0 "$cap"
         return 0
     fi
     local left=$((BUDGET - 15 - ($(date +%s) - T0)))     # 15 s kept for the summary
     local limit=$((cap < left ? cap : left))
     if ((limit < 5)); then
         echo "== $name: not run, the ${BUDGET} s budget is spent"
-        record "$name" "not run: budget" 0
+        record "$name" "not run: budget" 0 "$cap"
         return 0
     fi
     echo
     echo "== $name (limit ${limit} s): $*"
     local start rc=0
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" || rc=$?     # bash: the steps may be functions
+    timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" || rc=$?     # bash: the steps may be functions
     local secs=$(($(date +%s) - start)) status
     case $rc in
         0) status=ok ;;
         124 | 137) status="timeout after ${limit} s" ;;
         *) status="failed (exit $rc)" ;;
     esac
-    record "$name" "$status" "$secs"
+    record "$name" "$status" "$secs" "$limit"
     echo "== $name: $status after $secs s"
     return 0
 }
@@ -98,16 +149,33 @@ gpu_step() {   # like step, but "skipped: no GPU" without one
         step "$@"
     else
         echo "== $1: skipped: no GPU"
-        record "$1" "skipped: no GPU" 0
+        record "$1" "skipped: no GPU" 0 "$(cap "$1")"
     fi
+}
+
+check_package() {   # the checkout is the package: gds_gather, its model modules and kernel sources, from $REPO
+    "$PY" -P - <<'EOF'
+import os
+import gds_gather, gds_gather.model.synth, gds_gather.model.trunk
+from gds_gather import kernel_sources
+repo = os.path.realpath(os.environ["REPO"])
+where = os.path.realpath(gds_gather.__file__)
+assert where.startswith(repo + os.sep), f"gds_gather comes from {where}, not the checkout {repo}"
+n = {name: len(kernel_sources.source(name)) for name in ("copy.cu", "gather.cu", "dequant.cuh", "host_check.cu")}
+print("gds_gather from", where, "| gds_gather.model from", os.path.dirname(gds_gather.model.synth.__file__))
+print("kernel sources (chars):", n)
+EOF
 }
 
 check_imports() {
     "$PY" -P - "$@" <<'EOF'
 import importlib, json, sys
-required = ["numpy", "gguf", "tqdm", "yaml", "torch", "cupy", "pytest", "hypothesis", "gds_gather",
-            "gds_gather.model", "gds_gather.kernels"]
+import os
+required = ["numpy", "gguf", "tqdm", "yaml", "torch", "pytest", "hypothesis", "gds_gather",
+            "gds_gather.model.synth", "gds_gather.kernel_sources"]
 wanted = ["kvikio", "matplotlib", "ml_dtypes", "safetensors", "transformers"]
+# cupy: required where an NVIDIA driver answers (the GPU machine), optional on a dry run without one
+(required if os.environ.get("DRIVER") == "1" else wanted).insert(0, "cupy")
 missing, found = [], {}
 for name in required + wanted:
     try:
@@ -117,7 +185,7 @@ for name in required + wanted:
         missing.append(name)
         found[name] = f"MISSING ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
 for name in required + wanted:
-    print(f"  {name:<20} {found[name]}")
+    print(f"  {name:<24} {found[name]}")
 bad = [m for m in missing if m in required]
 print("missing (required):", ", ".join(bad) or "none")
 print("missing (optional: the tests that need them skip):", ", ".join(m for m in missing if m in wanted) or "none")
@@ -127,17 +195,122 @@ sys.exit(1 if bad else 0)
 EOF
 }
 
-make_site() {   # this checkout as gds_gather + gds_gather.model + gds_gather.kernels, by symlinks
-    local pkg=$SITE/pkg
-    rm -rf "$pkg" && mkdir -p "$pkg/gds_gather" || return 1
-    local f
-    for f in "$REPO"/gds_gather/*; do
-        [[ $(basename "$f") == __pycache__ ]] || ln -s "$f" "$pkg/gds_gather/" || return 1
-    done
-    ln -s "$REPO/model" "$pkg/gds_gather/model" && ln -s "$REPO/kernels" "$pkg/gds_gather/kernels" || return 1
-    PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} "$PY" -P -c "import gds_gather, gds_gather.model, gds_gather.kernels, sys
-assert gds_gather.__file__.startswith('$pkg'), gds_gather.__file__
-print('gds_gather from', gds_gather.__file__, '| model', gds_gather.model.__file__)"
+compile_all() {   # the compile step: every build the later steps need, once; its parts into $WORK/compile.json
+    "$PY" -P - "$WORK/compile.json" <<'EOF'
+import json, os, subprocess, sys, time, traceback
+from concurrent.futures import ThreadPoolExecutor
+
+gpu = os.environ.get("GPU") == "1"
+parts, failed, compile_s = {}, [], {}
+
+
+def part(name, fn):
+    t0 = time.time()
+    try:
+        status, detail = fn()
+    except Exception as e:
+        status, detail = "failed", f"{type(e).__name__}: {e}"[-3000:]
+        traceback.print_exc()
+    parts[name] = {"status": status, "seconds": round(time.time() - t0, 2), "detail": detail}
+    if status == "failed":
+        failed.append(name)
+    print(f"  {name:<14} {status} ({parts[name]['seconds']} s): {detail}", flush=True)
+
+
+def host_build():
+    from gds_gather import dequant_gpu as dg
+    if not dg.host_compiler_available():
+        return "skipped: no host C++ compiler", "g++, c++, clang++ and nvcc not found"
+    lib = dg.host_library()
+    return "ok", f"{' '.join(dg._host_compiler()[:1])} -> {lib._name}"
+
+
+def native_helpers():
+    from gds_gather import native
+    from gds_gather.config import Config
+    so, why = native.build(Config().cache_dir)
+    if so is None:
+        return ("skipped: no C compiler" if "no C compiler" in why else "failed"), why
+    return "ok", f"{native.compiler()} -> {so}"
+
+
+def nvrtc_dequant():
+    if not gpu:
+        return "skipped: no GPU", ""
+    import cupy as cp
+    from gds_gather import dequant_gpu as dg
+    from gds_gather.quants import supported_types
+    types = list(supported_types())
+    threads = max(1, int(os.environ.get("GPU_CHECK_COMPILE_THREADS", "4")))
+    errors, times = {}, compile_s
+
+    def one(qt):
+        t0 = time.time()
+        with cp.cuda.Device(0):
+            dg.warmup(qt)           # compiles and loads the type's module: every dtype x index kernel
+        times[qt.name] = round(time.time() - t0, 2)
+
+    def guarded(qt):
+        try:
+            one(qt)
+        except Exception as e:
+            return qt, e
+        return qt, None
+
+    with ThreadPoolExecutor(threads) as pool:
+        retry = [qt for qt, e in pool.map(guarded, types) if e is not None]
+    for qt in retry:                # again alone: an error here is the compiler's, not the threads'
+        _, e = guarded(qt)
+        if e is not None:
+            errors[qt.name] = f"{type(e).__name__}: {e}"[-3000:]
+    for name, err in errors.items():
+        print(f"NVRTC error in the module of {name}:\n{err}\n", flush=True)
+    slow = sorted(times.items(), key=lambda kv: -kv[1])[:3]
+    detail = (f"{len(types) - len(errors)}/{len(types)} type modules in {threads} threads; slowest "
+              + ", ".join(f"{k} {v} s" for k, v in slow))
+    if errors:
+        return "failed", detail + "; FAILED: " + ", ".join(errors)
+    return "ok", detail
+
+
+def nvrtc_copy():
+    if not gpu:
+        return "skipped: no GPU", ""
+    from gds_gather import devcache
+    names = ("gg_copy_words", "gg_copy_rows")
+    for name in names:
+        devcache._function(0, name)
+    return "ok", "copy.cu: " + ", ".join(names)
+
+
+def disk_cache():
+    """A new process loads one dequant module and copy.cu: seconds, against this process's compile of them."""
+    if not gpu or "nvrtc-dequant" in failed or "nvrtc-copy" in failed:
+        return "skipped: " + ("no GPU" if not gpu else "a compile failed"), ""
+    probe = ("import time; from gds_gather import dequant_gpu as dg, devcache; dg._device_state(0); "   # context
+             "t = time.time(); dg.warmup('IQ4_NL'); a = time.time() - t; "
+             "t = time.time(); devcache._function(0, 'gg_copy_words'); print(round(a, 3), round(time.time() - t, 3))")
+    r = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=60)
+    if r.returncode:
+        return "failed", r.stderr[-1500:]
+    dq, cp_ = (float(x) for x in r.stdout.split()[-2:])
+    first = compile_s.get("IQ4_NL", 1.0)
+    reused = dq < max(0.2, first / 4)
+    return "ok", (f"a new process: IQ4_NL module {dq} s (compiled here in {first} s), copy.cu {cp_} s: "
+                  + ("CuPy's disk cache serves the dequant modules, later steps skip NVRTC" if reused else
+                     "the dequant modules are COMPILED AGAIN in each process (CuPy does not reuse its disk cache "
+                     "for RawModules with name_expressions): later steps pay NVRTC per type they use"))
+
+
+part("host-build", host_build)
+part("native", native_helpers)
+part("nvrtc-dequant", nvrtc_dequant)
+part("nvrtc-copy", nvrtc_copy)
+part("disk-cache", disk_cache)
+with open(sys.argv[1], "w") as f:
+    json.dump(parts, f, indent=1)
+sys.exit(1 if failed else 0)
+EOF
 }
 
 have_gpu() {
@@ -145,104 +318,63 @@ have_gpu() {
         "${PYP[@]}" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" >/dev/null 2>&1
 }
 
-# The test steps, one a line: NAME|limit in seconds|pytest arguments separated by ';' (files, and -k where a file
-# is split). Every `gpu` test must fall in exactly one (gpu-selection checks it).
-TEST_STEPS="test-kernels|90|tests/test_kernels_gpu.py
-test-device|90|tests/test_device_gpu.py;-k;not read_error_mid_prefill
-test-faults|120|tests/test_device_gpu.py;-k;read_error_mid_prefill
-test-prefill|120|tests/test_prefill.py
-test-other|60|tests/test_hf.py;tests/test_rowcache.py;tests/test_trunk.py;tests/test_gpu_review.py;tests/test_vllm.py"
-export TEST_STEPS
-
-collect() {   # collect ARGS...: the node ids of the gpu tests ARGS select, one a line
-    "$PY" -P -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep -E '^tests/.*::'
-}
-
-gpu_tests() {   # gpu_tests NAME ARGS...: one test step (with a GPU: run, junit into $JUNIT/NAME.xml)
+gpu_tests() {   # gpu_tests NAME ARGS...: one test step, verbose, its output streamed into $OUT/NAME.log
     local name=$1
     shift
-    if ((GPU)); then
-        "$PY" -P -m pytest -m gpu -q -p no:cacheprovider --junitxml="$JUNIT/$name.xml" -o junit_family=xunit2 \
-            -o junit_suite_name="$name" "$@"
-        local rc=$?
-        local n
-        n=$("$PY" -P -c "import xml.etree.ElementTree as E; r=E.parse('$JUNIT/$name.xml').getroot(); \
-print(sum(int(s.get('tests', 0)) for s in ([r] if r.tag == 'testsuite' else r.iter('testsuite'))))" 2>/dev/null || echo 0)
-        if [[ $n == 0 ]]; then
-            echo "FAILED: 0 gpu tests collected in $name: it tested nothing (see the collection errors above)"
-            return 3
-        fi
-        return "$rc"
-    fi
-    local n
-    if [[ -f $JUNIT/$name.ids ]]; then n=$(grep -c . "$JUNIT/$name.ids"); else n=$(collect "$@" | wc -l); fi
-    echo "no GPU: $name collected $n gpu tests (not run)"
+    local log="$OUT/$name.log"
+    COLUMNS=200 "$PY" -P -m pytest -m gpu -v -o console_output_style=classic -p no:cacheprovider --durations=8 \
+        --junitxml="$JUNIT/$name.xml" -o junit_family=xunit2 -o junit_suite_name="$name" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]} n
+    n=$(grep -cE '^tests/[^ ]+::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$log")
     echo "$n" >"$JUNIT/$name.collected"
     if [[ $n == 0 ]]; then
-        echo "FAILED: 0 gpu tests collected in $name"
+        echo "FAILED: 0 gpu tests ran in $name: it tested nothing (see the collection errors above)"
         return 3
     fi
-    return 0
+    return "$rc"
 }
 
-gpu_selection() {   # every gpu test in exactly one test step: one collection, split here by the steps' selections
-    collect >"$JUNIT/all.ids" || { echo "FAILED: no gpu test collected"; return 3; }
-    "$PY" -P - "$JUNIT" <<'PYEOF'
-import os, sys
-from pathlib import Path
-junit = Path(sys.argv[1])
-ids = junit.joinpath("all.ids").read_text().split()
-(junit / "all.collected").write_text(f"{len(ids)}\n")
-owners = {i: [] for i in ids}
-for line in os.environ["TEST_STEPS"].splitlines():
-    name, _, sel = line.split("|")
-    args = sel.split(";")
-    files = [a for a in args if a.endswith(".py")]
-    k = args[args.index("-k") + 1] if "-k" in args else None       # the forms used: "WORD" or "not WORD"
-    if k is not None and not (k.split()[-1].isidentifier() and k.split()[:-1] in ([], ["not"])):
-        sys.exit(f"gpu-selection: step {name}: -k {k!r} is not of the form WORD or 'not WORD'")
-    mine = [i for i in ids if i.split("::")[0] in files and
-            (k is None or (k.split()[-1] in i.split("::", 1)[1]) != k.startswith("not "))]
-    (junit / f"{name}.ids").write_text("".join(f"{i}\n" for i in mine))
-    for i in mine:
-        owners[i].append(name)
-none = [i for i, o in owners.items() if not o]
-two = [f"{i} ({', '.join(o)})" for i, o in owners.items() if len(o) > 1]
-print(f"gpu tests: {len(ids)} in all; in no test step: {len(none)}; in two: {len(two)}")
-for what, bad in (("in no test step", none), ("in two test steps", two)):
-    if bad:
-        print(f"FAILED: gpu tests {what}:", *bad, sep="\n  ")
-sys.exit(1 if none or two or not ids else 0)
-PYEOF
+gpu_list() {   # every gpu test, one node id a line, into $JUNIT/all.ids
+    "$PY" -P -m pytest -m gpu --collect-only -q -p no:cacheprovider >"$JUNIT/all.out" 2>&1
+    grep -E '^tests/.*::' "$JUNIT/all.out" >"$JUNIT/all.ids"
+    local n
+    n=$(grep -c . "$JUNIT/all.ids")
+    echo "$n gpu tests in all"
+    echo "$n" >"$JUNIT/all.collected"
+    ((n > 0)) || { tail -20 "$JUNIT/all.out"; return 3; }
 }
 
-export -f check_imports make_site collect gpu_tests gpu_selection
+export -f check_package check_imports compile_all gpu_tests gpu_list
 
 main() {
     echo "gds-gather GPU check: repo $REPO, out $OUT, work $WORK, budget ${BUDGET} s, $(date -u +%FT%TZ)"
     echo "git: $(git -C "$REPO" log -1 --format='%h %s' 2>/dev/null || echo '?')$(git -C "$REPO" diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+    echo "step caps (s): $(tr '\n' ' ' <<<"$CAPS")= $(awk '{s += $2} END {print s}' <<<"$CAPS") s in all"
+    DRIVER=0
+    command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && DRIVER=1
+    export DRIVER
     if command -v nvidia-smi >/dev/null; then
-        step nvidia-smi 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        step nvidia-smi nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     else
         echo "nvidia-smi: not found (no NVIDIA driver here)"
     fi
 
-    # -- install: wheels (offline) into $SITE, then this checkout as a site dir ----------------------------------
-    mkdir -p "$SITE"
+    # -- install: wheels (offline) into $SITE, then this checkout on PYTHONPATH -------------------------------------
+    local pp=$REPO
     if compgen -G ".whl/*.whl" >/dev/null; then
-        step wheels 90 "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-            --no-cache-dir --upgrade --find-links .whl --target "$SITE/wheels" .whl/*.whl
-        export PYTHONPATH=$SITE/wheels${PYTHONPATH:+:$PYTHONPATH}
+        step wheels "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --find-links .whl --target "$SITE" .whl/*.whl
+        pp=$SITE:$pp
     else
         echo "wheels: no .whl/*.whl in $REPO (bash bench/fetch_wheels.sh fetches them): using what is installed"
-        record wheels "skipped: no .whl/" 0
+        record wheels "skipped: no .whl/" 0 "$(cap wheels)"
     fi
-    step package 30 make_site
-    export PYTHONPATH=$SITE/pkg${PYTHONPATH:+:$PYTHONPATH}
-    step imports 60 check_imports "$WORK/missing.json"
-    if have_gpu; then GPU=1; else GPU=0; echo "GPU: none usable here: every GPU step is skipped: no GPU"; fi
+    export PYTHONPATH=$pp${PYTHONPATH:+:$PYTHONPATH}
+    step package check_package
+    step imports check_imports "$WORK/missing.json"
+    if have_gpu; then GPU=1; else GPU=0; echo "GPU: none usable here: NVRTC, the gpu tests and the benches skip"; fi
     export GPU
-    step facts 60 "${PYP[@]}" - <<'EOF'
+    step facts "${PYP[@]}" - <<'EOF'
 import sys
 import gds_gather as gg
 from gds_gather.backends import gds_state
@@ -256,34 +388,30 @@ if p.kind != "cpu":
 for b in gg.backends():
     print(f"  {b.name:<10} {'yes' if b.available else 'no '}  {b.reason}")
 EOF
+    step compile compile_all
 
     # -- tests and benches -----------------------------------------------------------------------------------------
-    step gpu-selection 60 gpu_selection
-    local name cap sel args
-    while IFS='|' read -r name cap sel; do
+    local name sel args
+    while IFS='|' read -r name sel; do
         IFS=';' read -ra args <<<"$sel"
-        step "$name" "$cap" gpu_tests "$name" "${args[@]}" </dev/null
+        step "$name" gpu_tests "$name" "${args[@]}" </dev/null
         if ((!GPU)) && [[ -f $JUNIT/$name.collected ]] && tail -1 "$STEPS" | grep -q $'\tok\t'; then
-            # the collection proved the part is not empty; the tests themselves need a GPU
+            # every test listed, each skipped by conftest.py: the tests themselves need a GPU
             sed -i "\$ s/\tok\t/\tskipped: no GPU ($(cat "$JUNIT/$name.collected") collected)\t/" "$STEPS"
         fi
     done <<<"$TEST_STEPS"
-    gpu_step bench-kernels 60 bash -c "\"\$@\" bench/bench_kernels.py --quick --json >'$OUT/bench_kernels.json'" _ \
-        "${PYP[@]}"
-    local plot=()
     BENCH=("${PYP[@]}" -m gds_gather.cli bench)
-    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_storage.png")
-    gpu_step bench-storage 40 "${BENCH[@]}" storage --quick --dir "$WORK" --out "$OUT" "${plot[@]}"
-    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_gather.png")
-    gpu_step bench-gather 70 "${BENCH[@]}" gather --quick --dir "$WORK" --out "$OUT" "${plot[@]}"
-    [[ ${GPU_CHECK_PLOTS:-0} == 1 ]] && plot=(--plot "$OUT/bench_prefill.png")
-    gpu_step bench-prefill 110 "${BENCH[@]}" prefill --quick --targets --trunk tiny --no-warm --repeat 1 \
-        --dir "$WORK" --out "$OUT" "${plot[@]}"
+    gpu_step bench-storage "${BENCH[@]}" storage --quick --path gpu-direct --io-size 1M --repeat 1 --dir "$WORK" \
+        --out "$OUT"
+    gpu_step bench-prefill "${BENCH[@]}" prefill --quick --backends direct --no-warm --trunk tiny --repeat 1 \
+        --dir "$WORK" --out "$OUT"
+    step gpu-list gpu_list </dev/null
 
     # -- the one JSON summary ----------------------------------------------------------------------------------------
     echo
     echo "== summary ($(($(date +%s) - T0)) s in all; budget ${BUDGET} s)"
-    "${PYP[@]}" "$REPO/bench/gpu_check_summary.py" "$OUT" "$STEPS" "$WORK/missing.json" "$GPU" "$JUNIT"
+    "${PYP[@]}" "$REPO/bench/gpu_check_summary.py" "$OUT" "$STEPS" "$WORK/missing.json" "$GPU" "$JUNIT" \
+        "$CAPS_TSV" "$WORK/compile.json"
 }
 
 main 2>&1 | tee "$LOG"
