@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""transformers with the PLE table on disk: load memory and decode speed, resident vs gds_gather.hf.
+"""transformers with the PLE table on disk: load memory and decode speed, resident vs gds_gather.integrations.transformers.
 
     python3 bench/bench_hf.py make-model DIR [--kind gemma4] [--vocab 262144]   # the real per-layer shape, tiny trunk
     python3 bench/bench_hf.py memory DIR          # each load in a fresh process: peak / RSS after load and a forward
@@ -67,11 +67,11 @@ def _status() -> dict:
 
 def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
     """One load in this process: {peak_load, rss_load, rss_forward, peak_forward} in MiB. Both cases import
-    gds_gather.hf first, so the difference is the loads'."""
+    gds_gather.integrations.transformers first, so the difference is the loads'."""
     import torch
     import transformers
 
-    from gds_gather.hf import from_pretrained   # in both cases: its modules (~4 MiB) are not the table's memory
+    from gds_gather.integrations.transformers import from_pretrained   # in both cases: its modules (~4 MiB) are not the table's memory
     dtype = torch.float32 if case.startswith("f32") else "auto"
     if case.endswith("offloaded"):
         model = from_pretrained(model_dir, dtype=dtype)
@@ -90,7 +90,7 @@ def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
 def run_cases(model_dir, tokens: int = 2048, jobs: int = 1, threads: int | None = None) -> dict:
     """{case: measure_case in a fresh Python process}, `jobs` processes at a time (each measures only itself).
     threads: torch's CPU threads in each (OMP_NUM_THREADS): with several, a float32 forward on a busy machine gives
-    one of two logits from run to run, resident or offloaded alike (docs/decisions.md); 1 makes them comparable."""
+    one of two logits from run to run, resident or offloaded alike (docs/decisions/transformers-offload.md); 1 makes them comparable."""
     from concurrent.futures import ThreadPoolExecutor
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
 
@@ -140,7 +140,7 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
     """The PLE module's cost per decode step, and greedy generate ms/token, offloaded vs resident (interleaved)."""
     import torch
     import transformers
-    from gds_gather.hf import from_pretrained
+    from gds_gather.integrations.transformers import from_pretrained
     dt = dtype if dtype == "auto" else getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
     off = from_pretrained(model_dir, dtype=dt)

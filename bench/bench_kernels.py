@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the CUDA dequant-scatter kernels (gds_gather.dequant_gpu.gather_rows) on a GPU.
+"""Benchmark the CUDA dequant-scatter kernels (gds_gather.gpu.dequant.gather_rows) on a GPU.
 
     python3 bench/bench_kernels.py [--quick] [--types Q4_0,IQ4_NL] [--dtypes float32,bfloat16] [--gb 1.0] [--json]
 
@@ -27,9 +27,9 @@ import time
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from gds_gather import arrays
-from gds_gather import dequant_gpu as dg
-from gds_gather import quants
+from gds_gather.gpu import arrays
+from gds_gather.gpu import dequant as dg
+from gds_gather.formats import quants
 
 TARGET_RATIO = 0.70
 ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -9,7 +9,7 @@
 # (libkvikio-cu13, rapids-logger for kvikio; pyyaml for gguf) and what some tests import (ml-dtypes, safetensors,
 # transformers). Each is compared with the image's package list in the device tool's KINDS.md ("Python packages
 # already there", nvidia-h200); only the missing ones are downloaded, pinned to the versions measured to work
-# there (shared/notes/measured-facts.md), for CPython 3.12 on manylinux x86-64, without dependencies (each needed
+# there, for CPython 3.12 on manylinux x86-64, without dependencies (each needed
 # dependency is named here). gpu_check.sh checks every import on the machine before the tests either way.
 set -euo pipefail
 

@@ -157,7 +157,7 @@ check_package() {   # the checkout is the package: gds_gather, its model modules
     "$PY" -P - <<'EOF'
 import os
 import gds_gather, gds_gather.model.synth, gds_gather.model.trunk
-from gds_gather import kernel_sources
+from gds_gather.gpu import kernel_sources
 repo = os.path.realpath(os.environ["REPO"])
 where = os.path.realpath(gds_gather.__file__)
 assert where.startswith(repo + os.sep), f"gds_gather comes from {where}, not the checkout {repo}"
@@ -172,7 +172,7 @@ check_imports() {
 import importlib, json, sys
 import os
 required = ["numpy", "gguf", "tqdm", "yaml", "torch", "pytest", "hypothesis", "gds_gather",
-            "gds_gather.model.synth", "gds_gather.kernel_sources"]
+            "gds_gather.model.synth", "gds_gather.gpu.kernel_sources"]
 wanted = ["kvikio", "matplotlib", "ml_dtypes", "safetensors", "transformers"]
 # cupy: required where an NVIDIA driver answers (the GPU machine), optional on a dry run without one
 (required if os.environ.get("DRIVER") == "1" else wanted).insert(0, "cupy")
@@ -218,7 +218,7 @@ def part(name, fn):
 
 
 def host_build():
-    from gds_gather import dequant_gpu as dg
+    from gds_gather.gpu import dequant as dg
     if not dg.host_compiler_available():
         return "skipped: no host C++ compiler", "g++, c++, clang++ and nvcc not found"
     lib = dg.host_library()
@@ -226,7 +226,7 @@ def host_build():
 
 
 def native_helpers():
-    from gds_gather import native
+    from gds_gather.io import native
     from gds_gather.config import Config
     so, why = native.build(Config().cache_dir)
     if so is None:
@@ -238,8 +238,8 @@ def nvrtc_dequant():
     if not gpu:
         return "skipped: no GPU", ""
     import cupy as cp
-    from gds_gather import dequant_gpu as dg
-    from gds_gather.quants import supported_types
+    from gds_gather.gpu import dequant as dg
+    from gds_gather.formats.quants import supported_types
     types = list(supported_types())
     threads = max(1, int(os.environ.get("GPU_CHECK_COMPILE_THREADS", "4")))
     errors, times = {}, compile_s
@@ -276,7 +276,7 @@ def nvrtc_dequant():
 def nvrtc_copy():
     if not gpu:
         return "skipped: no GPU", ""
-    from gds_gather import devcache
+    from gds_gather.gpu import devcache
     names = ("gg_copy_words", "gg_copy_rows")
     for name in names:
         devcache._function(0, name)
@@ -287,7 +287,7 @@ def disk_cache():
     """A new process loads one dequant module and copy.cu: seconds, against this process's compile of them."""
     if not gpu or "nvrtc-dequant" in failed or "nvrtc-copy" in failed:
         return "skipped: " + ("no GPU" if not gpu else "a compile failed"), ""
-    probe = ("import time; from gds_gather import dequant_gpu as dg, devcache; dg._device_state(0); "   # context
+    probe = ("import time; from gds_gather.gpu import dequant as dg, devcache; dg._device_state(0); "   # context
              "t = time.time(); dg.warmup('IQ4_NL'); a = time.time() - t; "
              "t = time.time(); devcache._function(0, 'gg_copy_words'); print(round(a, 3), round(time.time() - t, 3))")
     r = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=60)

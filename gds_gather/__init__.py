@@ -28,6 +28,6 @@ __all__ = [
 def __getattr__(name):
     # the transformers integration imports torch: load it on first use only (`import gds_gather` stays light)
     if name == "offload_per_layer_embeddings":
-        from .hf import offload_per_layer_embeddings
+        from .integrations.transformers import offload_per_layer_embeddings
         return offload_per_layer_embeddings
     raise AttributeError(f"module 'gds_gather' has no attribute {name!r}")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from .config import Config
 from .errors import BackendError
 from .platform import Platform, detect
-from .readers import HOST_READERS
+from .io.readers import HOST_READERS
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ _DESCRIPTIONS = {
 
 
 def _direct_how() -> str:
-    from . import uring
+    from .io import uring
     ok, why = uring.probe()
     return "io_uring" if ok else f"native thread pool ({why})"
 
@@ -44,7 +44,8 @@ def _direct_how() -> str:
 BY_NAME = "named by the caller"
 BY_CONFIG = "set by Config.backend / GDS_GATHER_BACKEND"
 
-GDS_MIN_WINDOW = 64 << 10     # below this GPU-direct storage loses to O_DIRECT + pinned copy (anchors-perf.md)
+GDS_MIN_WINDOW = 64 << 10     # below this GPU-direct storage loses to O_DIRECT + pinned copy (KvikIO
+#                               sends reads under its gds_threshold, 16 KiB, to POSIX for the same reason)
 
 
 def gds_state() -> tuple[bool, bool, str]:

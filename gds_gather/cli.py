@@ -10,7 +10,7 @@ from . import __version__
 from .backends import backends, resolve
 from .config import Config
 from .errors import GatherError
-from .measure import fit, human_bytes
+from .io.measure import fit, human_bytes
 from .platform import detect
 
 
@@ -43,7 +43,7 @@ def _check_input(path) -> None:
     """A model path that is a FIFO, socket or device would block or read forever: refuse it by name."""
     import os
     import stat
-    from .safe_write import file_kind
+    from .io.safe_write import file_kind
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -58,7 +58,7 @@ def _check_prefill_args(args, cfg: Config) -> None:
     if args.model is not None:
         _check_input(args.model)
     if args.prompt is not None:
-        from .text import open_prompt
+        from .prefill.prompts import open_prompt
         open_prompt(args.prompt).close()
     if cfg.platform in ("discrete", "unified", "rocm"):
         import importlib.util
@@ -76,7 +76,7 @@ def cmd_info(args, cfg: Config) -> int:
     with open_table(args.file, args.tensor, cfg) as t:
         d = t.describe()
         d["model"] = str(t.model_path)
-        from .convert import describe
+        from .integrations.convert import describe
         d["convert"] = describe(t)
     plat = detect(cfg.platform)
     d["platform"] = {"kind": plat.kind, "reason": plat.reason, "device": plat.device, "path": plat.path}
@@ -155,14 +155,14 @@ def _cache_size(text: str) -> int:
 def cmd_prefill(args, cfg: Config) -> int:
     _check_prefill_args(args, cfg)
     if args.hf:
-        from .hf import cmd_prefill_hf
+        from .integrations.transformers import cmd_prefill_hf
         return cmd_prefill_hf(args, cfg)
     if args.table or args.generate:
         raise GatherError(f"{'--table' if args.table else '--generate'} goes with --hf MODEL_DIR (a transformers "
                           f"model)")
     args.dtype = args.dtype or "bfloat16"
     args.tokens = 8192 if args.tokens is None else args.tokens
-    from .prefill import PrefillOptions, run_prefill
+    from .prefill.run import PrefillOptions, run_prefill
     options = PrefillOptions(prompt=args.prompt, n_tokens=args.tokens, ubatch=args.ubatch, backend=args.backend,
                              graph=not args.no_graph, cold=args.cold, drop_caches=args.drop_caches, trunk=args.trunk,
                              dtype=args.dtype, cache=args.cache, progress=not args.json,
@@ -179,7 +179,7 @@ def _stderr(line: str) -> None:
 
 
 def _cmd_convert(args, cfg: Config) -> int:
-    from .convert import cmd_convert
+    from .integrations.convert import cmd_convert
     return cmd_convert(args, cfg)
 
 
@@ -191,7 +191,7 @@ def cmd_bench(args, cfg: Config) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .model.synth import MAX_ROWS
-    from .text import MAX_TOKENS
+    from .prefill.prompts import MAX_TOKENS
     p = _Parser(prog="gds-gather", description=__doc__)
     p.add_argument("--version", action="version", version=f"gds-gather {__version__}")
     _global_options(p, verbose=False, platform=None)

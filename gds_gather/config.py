@@ -33,7 +33,7 @@ class Config:
     #                             byte of the row the merge brings in (caps what merging adds to the amplification)
     threads: int = 0            # GDS_GATHER_THREADS: reader threads; 0 = 2 x cores
     queue_depth: int = 256      # GDS_GATHER_QUEUE_DEPTH: reads in flight for the batched engines (256: half the
-    #                             io_uring_enter calls of 128 on many small windows; docs/decisions.md)
+    #                             io_uring_enter calls of 128 on many small windows; docs/decisions/queue-depth.md)
     engine: str = "auto"        # GDS_GATHER_ENGINE: how `direct` submits: auto | uring | threads
     cache_dir: Path = _default_cache_dir()   # GDS_GATHER_CACHE_DIR: where the built-in default model is kept
     cache_bytes: int = -1       # GDS_GATHER_CACHE_BYTES: row cache budget (rows + index), shared by the Tables of one

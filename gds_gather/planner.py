@@ -252,7 +252,7 @@ def subplan(plan: ReadPlan, keep: np.ndarray) -> ReadPlan | None:
     """The plan of the rows `keep` (bool [U]) picks, made of the plan's own windows: those holding a picked row;
     None where a window holds both picked rows and others (replan would read less there). A batch's row-cache
     misses are usually whole windows of its plan (wide rows: one row a window), and this costs less than half of
-    replanning them (docs/decisions.md)."""
+    replanning them (docs/decisions/handover.md)."""
     rw = plan.row_window
     heads = np.flatnonzero(np.r_[True, rw[1:] != rw[:-1]])       # first row of each window
     some = np.logical_or.reduceat(keep, heads)

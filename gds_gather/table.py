@@ -10,17 +10,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import accel as accel_mod
-from . import arrays, destinations, forksafe, quants, rowcache
+from .gpu import accel as accel_mod
+from .gpu import arrays
+from .gpu import destinations
+from .io import forksafe
+from .formats import quants
+from .cache import rowcache
 from .backends import choose_device, resolve
 from .config import Config
 from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelNotFoundError, StagingCapacityError,
                      TableClosedError, TruncatedFileError, UnsupportedTypeError)
-from .gguf_file import field_value, find_tensor
+from .formats.gguf_file import field_value, find_tensor
 from .planner import ReadPlan, plan_rows, realign
-from .prefetch import Prefetcher
-from .readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
-from .storage import filesystem
+from .cache.prefetch import Prefetcher
+from .io.readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
+from .io.storage import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ def _cast_numpy(f32: np.ndarray, name: str) -> np.ndarray:
 def _locate(path, tensor: str):
     """(tensor info, header, metadata): a GGUF file (any shard), or a Hugging Face safetensors checkpoint (a model
     directory, model.safetensors.index.json or one .safetensors file; see safetensors_file.py)."""
-    from .safetensors_file import find_table_tensor, is_safetensors_source
+    from .formats.safetensors_file import find_table_tensor, is_safetensors_source
     try:
         if is_safetensors_source(path):
             return find_table_tensor(path, tensor)

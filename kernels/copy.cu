@@ -1,4 +1,4 @@
-// Copies whose size the device reads from memory, for the device-resident row cache (gds_gather/devcache.py).
+// Copies whose size the device reads from memory, for the device-resident row cache (gds_gather/gpu/devcache.py).
 //
 // A CUDA graph's memcpy node has a fixed size, so a captured prefill that copied its fresh rows with one would move
 // the largest ubatch's bytes every time, hits included. These kernels run with a fixed grid (captured once) and

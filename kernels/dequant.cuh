@@ -17,7 +17,7 @@
 //     go through gg_mul, which is IEEE on the device even when CuPy compiles with -ftz=true.
 // fp16, bf16, e8m0 and ue4m3 fields are decoded by bit manipulation (the same code on host and device).
 //
-// Lookup tables (IQ grids, ksigns, kvalues, IQ1 deltas) are not in this file: gds_gather.dequant_gpu builds
+// Lookup tables (IQ grids, ksigns, kvalues, IQ1 deltas) are not in this file: gds_gather.gpu.dequant builds
 // one byte blob from gguf.quants at load time and defines GG_OFF_<NAME> (byte offset of each table in it).
 #pragma once
 #define GG_DEQUANT_INCLUDED 1
@@ -52,7 +52,7 @@ typedef unsigned long long uint64_t;
     !defined(GG_OFF_IQ3S) || !defined(GG_OFF_IQ1S) || !defined(GG_OFF_KSIGNS) || !defined(GG_OFF_KV_IQ4NL) || \
     !defined(GG_OFF_KV_MXFP4) || !defined(GG_OFF_KV_NVFP4) || !defined(GG_OFF_IQ1S_DELTA) || \
     !defined(GG_OFF_IQ1M_DELTA)
-#error "GG_OFF_* table offsets are defined by gds_gather.dequant_gpu.defines() (built from gguf.quants)"
+#error "GG_OFF_* table offsets are defined by gds_gather.gpu.dequant.defines() (built from gguf.quants)"
 #endif
 
 // ---- GGML types: X(name, ggml type id, elements per block, bytes per block) --------------------------------

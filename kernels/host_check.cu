@@ -1,6 +1,6 @@
 // Host build of the dequantizers and of the gather's per-item routine, so both are checked bit for bit against
 // gguf.quants on machines without a GPU. Plain C++: g++ -x c++ -std=c++17 -ffp-contract=off -shared -fPIC
-// (gds_gather.dequant_gpu.host_library() builds and loads it through ctypes).
+// (gds_gather.gpu.dequant.host_library() builds and loads it through ctypes).
 #include "dequant.cuh"
 #include "gather.cu"
 

@@ -1,7 +1,7 @@
 """The real shapes of the models whose PLE table gds_gather reads.
 
-Table shapes, types and the qwen4exp hash constants come from the research notes
-(shared/notes/ple-formats.md, measured-facts.md). The trunk dimensions (n_head, n_head_kv,
+Table shapes, types and the qwen4exp hash constants are the published models' (their GGUF metadata and
+llama.cpp's loaders). The trunk dimensions (n_head, n_head_kv,
 head_dim, n_ff, n_ctx, and n_layer for qwen4exp) are plausible public values, approximate:
 nothing in gds_gather reads them yet, they only size a later synthetic trunk.
 """

@@ -1,6 +1,6 @@
 """qwen4exp: the n-gram hash that turns a token stream into PLE table rows.
 
-This mirrors llama.cpp's ``llm_graph_input_ple::set_input`` (see shared/notes/measured-facts.md):
+This mirrors llama.cpp's ``llm_graph_input_ple::set_input``:
 for token i, ctx[0] is the token and ctx[s] the token s positions back; a missing
 predecessor or an EOS cuts the window and everything at or before the cut reads as EOS.
 For n = 2..ngram_size, ``mixed = XOR_j<n (u64 ctx[j] * m[j])`` (wrapping) and head

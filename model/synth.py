@@ -19,9 +19,9 @@ from gguf import quants as gq
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from tqdm import tqdm
 
-from gds_gather import quants
+from gds_gather.formats import quants
 from gds_gather.errors import UnsupportedTypeError
-from gds_gather.safe_write import atomic_output, check_free_space, check_output
+from gds_gather.io.safe_write import atomic_output, check_free_space, check_output
 
 from .presets import Preset, get_preset
 from .qwen4exp import Qwen4expHParams
@@ -249,7 +249,7 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
     alignment : general.alignment.
 
     Every file is written to a temporary file beside it and renamed over it at the end
-    (gds_gather.safe_write.atomic_output), so an interrupted run leaves no partial model behind
+    (gds_gather.io.safe_write.atomic_output), so an interrupted run leaves no partial model behind
     and a symlink, FIFO, directory or device node at the path is refused, never replaced. The
     bytes it will write are checked against the free space first.
     """

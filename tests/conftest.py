@@ -29,7 +29,7 @@ def _hot_rows_only_where_asked(request):
     if "hot_rows" in request.keywords:
         yield
         return
-    from gds_gather import hotrows
+    from gds_gather.cache import hotrows
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hotrows, "load", lambda target, capacity: None)
         mp.setattr(hotrows, "save", lambda target, ids, freq, rows: None)
@@ -148,7 +148,7 @@ def table_rows(path, n_rows: int, seed: int, qtype=Q.IQ4_NL, width: int = 160):
 @pytest.fixture
 def bench_sandbox(tmp_path, monkeypatch):
     """A bench test: the cache directory is the test's own, and dropping the machine's page cache fails."""
-    from gds_gather import measure
+    from gds_gather.io import measure
     monkeypatch.setenv("GDS_GATHER_CACHE_DIR", str(tmp_path / "cache"))
 
     def refuse():
@@ -160,7 +160,7 @@ def bench_sandbox(tmp_path, monkeypatch):
 def fresh_row_caches():
     """Every row cache emptied before the test (a truly cold start) and after it (none left to the next); modules
     ask for it with pytestmark = pytest.mark.usefixtures("fresh_row_caches")."""
-    from gds_gather import rowcache
+    from gds_gather.cache import rowcache
     rowcache.drop_all()
     yield
     rowcache.drop_all()

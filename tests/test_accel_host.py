@@ -7,8 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather import accel, dequant_gpu
-from gds_gather.accel import HostAccel, HostArray
+from gds_gather.gpu import accel
+from gds_gather.gpu import dequant as dequant_gpu
+from gds_gather.gpu.accel import HostAccel, HostArray
 from gds_gather.errors import BackendError, StreamOrderError
 
 torch = pytest.importorskip("torch")
@@ -41,7 +42,7 @@ def test_the_kernel_is_gguf_s_dequantizer_and_runs_only_when_its_stream_does(ggu
 
 
 def arrays_kind(x):
-    from gds_gather import arrays
+    from gds_gather.gpu import arrays
     return arrays.kind(x)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import gds_gather as gg
 from gds_gather.model.synth import write_model
-from gds_gather.prefill import run_prefill
+from gds_gather.prefill.run import run_prefill
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_minus_v_prefill_on_the_command_line(model):
                             "--platform", "cpu"], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == 0, r.stderr
         logs = [x for x in r.stderr.splitlines() if x.startswith("INFO") and "backend" in x]
-        assert [x for x in logs if x.startswith("INFO gds_gather.prefill: backend direct: auto, the host default: "
+        assert [x for x in logs if x.startswith("INFO gds_gather.prefill.run: backend direct: auto, the host default: "
                                                 "O_DIRECT reads into host memory (")], logs
         assert not [x for x in logs if "requested" in x], logs
         assert "backend   direct: auto, the host default" in r.stdout

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from gds_gather import benches, measure
+from gds_gather import benches
+from gds_gather.io import measure
 from gds_gather.benches.report import HOST_BACKENDS
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gds_gather import measure
+from gds_gather.io import measure
 from gds_gather.benches import report
 from gds_gather.config import Config
 

@@ -14,7 +14,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from gds_gather import benches, measure
+from gds_gather import benches
+from gds_gather.io import measure
 from gds_gather.cli import main as cli_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -62,8 +63,8 @@ def test_sizes_and_gdsio_line():
 
 def test_ring_latency_output(tmp_path):
     """Ring.read(lat_ns=...) fills one positive latency per extent and reads the same bytes as without it."""
-    from gds_gather import uring
-    from gds_gather.readers import Staging
+    from gds_gather.io import uring
+    from gds_gather.io.readers import Staging
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     f = tmp_path / "d.bin"
     data.tofile(f)
@@ -224,7 +225,7 @@ def test_bench_io_wrapper_random_ids_tmpfs(tmp_path, capsys):
 
 
 def test_prefill_bench_interleaved(tmp_path, capsys, monkeypatch):
-    from gds_gather import prefill
+    from gds_gather.prefill import run as prefill
     from gds_gather.model.synth import write_model
     model = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
     order = []

@@ -79,7 +79,7 @@ def test_prefill_rows_match_reference(tmp_path):
     """The CPU pipeline's rows for a prompt are exactly the table rows ple_rows names."""
     from gds_gather.model.qwen4exp import Qwen4expHParams, next_prev, ple_rows
     from gds_gather.model.synth import write_model
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.run import RowMapper
     path = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
     with gg.open_table(path) as t:
         hp = Qwen4expHParams.from_reader(t.reader)
@@ -91,7 +91,7 @@ def test_prefill_rows_match_reference(tmp_path):
 
 
 def test_prompt_file_and_bad_prompt(tmp_path):
-    from gds_gather.text import prompt_tokens, word_ids
+    from gds_gather.prefill.prompts import prompt_tokens, word_ids
     p = tmp_path / "prompt.txt"
     p.write_text("the cat sat on the mat . the cat")
     ids = prompt_tokens(1000, (500,), p)
@@ -106,8 +106,8 @@ def test_prompt_file_and_bad_prompt(tmp_path):
 def test_prompt_reads_only_what_it_needs(tmp_path, monkeypatch):
     """--prompt streams the file: 1,000 tokens of a 1.6 MB file read about one 64 KiB chunk, with the ids of a full
     read; undecodable bytes become U+FFFD, a character split across chunks is decoded whole."""
-    import gds_gather.text as text_mod
-    from gds_gather.text import prompt_tokens, word_ids
+    import gds_gather.prefill.prompts as text_mod
+    from gds_gather.prefill.prompts import prompt_tokens, word_ids
     rng = np.random.default_rng(1)
     words = np.array(["the", "cat", "sat", "on", "a", "mat", "naïve", "café", "日本", ",", "."])
     full = " ".join(words[rng.integers(0, words.size, 400_000)]) + "\n"

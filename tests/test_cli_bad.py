@@ -21,7 +21,7 @@ import pytest
 from gds_gather import cli
 from gds_gather.platform import Platform
 from gds_gather.errors import OutputPathError
-from gds_gather.safe_write import _umask, atomic_output, check_free_space, free_bytes
+from gds_gather.io.safe_write import _umask, atomic_output, check_free_space, free_bytes
 
 WALL_S = 5.0            # per in-process case (each takes well under a second alone; the machine is shared)
 PEAK_BYTES = 64 << 20   # Python + numpy allocations per case (the old --tokens 10**9 took 7.9 GB)

@@ -27,7 +27,7 @@ def test_bad_cache_sizes(text, words, capsys):
 
 def test_os_error_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
     """An OSError that is not a missing file (EINVAL from a read): one line, exit 1; -v raises it."""
-    from gds_gather import gguf_parse
+    from gds_gather.formats import gguf_parse
 
     def einval(self, path, table=None):
         raise OSError(22, "Invalid argument")

@@ -9,7 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import readers, rowcache, storage, uring
+from gds_gather.io import readers
+from gds_gather.cache import rowcache
+from gds_gather.io import storage
+from gds_gather.io import uring
 from gds_gather.config import Config
 
 N_ROWS = 120

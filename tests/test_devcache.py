@@ -1,4 +1,4 @@
-"""The device-resident row cache of the GPU prefill (gds_gather/devcache.py), on the CPU.
+"""The device-resident row cache of the GPU prefill (gds_gather/gpu/devcache.py), on the CPU.
 
 The host half (`source.through` with `source.DeviceRows`: lookup, reads of the misses, admissions) is the code the GPU prefill runs; the
 device half is played by `emulate` (below) on a numpy pool, in stream order and one ubatch behind the host as
@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import devcache, rowcache, source
-from gds_gather.kernel_sources import write_sources
-from gds_gather.readers import DirectReader
-from gds_gather.rowcache import RowCache
+from gds_gather.gpu import devcache
+from gds_gather.cache import rowcache
+from gds_gather.cache import source
+from gds_gather.gpu.kernel_sources import write_sources
+from gds_gather.io.readers import DirectReader
+from gds_gather.cache.rowcache import RowCache
 
 N_ROWS = 300
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -77,7 +79,7 @@ class FakeGds:
 
 
 def test_the_gds_stand_in_has_only_what_gdsreader_has():
-    from gds_gather.device import GdsReader
+    from gds_gather.gpu.device import GdsReader
     mine = {n for n in vars(FakeGds) if not n.startswith("_")}
     assert mine <= set(dir(GdsReader)), mine - set(dir(GdsReader))
 

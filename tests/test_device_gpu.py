@@ -96,7 +96,7 @@ def test_auto_reports_the_choice(table_and_rows):
     assert (name, mode) == ("direct", "zero-copy")
 
 
-from gds_gather.quants import supported_types  # noqa: E402
+from gds_gather.formats.quants import supported_types  # noqa: E402
 
 TYPES = supported_types()
 
@@ -128,9 +128,9 @@ import sys, time
 import numpy as np
 import gds_gather as gg
 from gds_gather.errors import ReadError
-from gds_gather.pipeline import GpuPrefill
-from gds_gather.prefill import RowMapper
-from gds_gather.schedule import StagingCapacityError
+from gds_gather.prefill.pipeline import GpuPrefill
+from gds_gather.prefill.run import RowMapper
+from gds_gather.gpu.schedule import StagingCapacityError
 path, backend, platform, graph = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 cfg = gg.Config(platform=platform)
 with gg.open_table(path, config=cfg) as t:
@@ -206,7 +206,7 @@ def test_side_stream_gather_copies_and_launches_on_torchs_stream(tmp_path, ggufs
     """Finding 1: with the legacy stream busy (a sleep queued on it inside each fetch), a gather under
     torch.cuda.stream(s) with stream=None must still see its own staging: copies and kernel all on s."""
     torch = pytest.importorskip("torch")
-    from gds_gather import destinations
+    from gds_gather.gpu import destinations
     rows = ggufs.rows(Q.Q8_0, 4000, 160, seed=5)
     path = ggufs.write(tmp_path / "t.gguf", rows, Q.Q8_0)
     ref = ggufs.reference(path)
@@ -263,8 +263,8 @@ def test_an_eager_prefill_after_a_long_default_stream_sleep(tmp_path, trunk):
     another device)."""
     torch = pytest.importorskip("torch")
     from gds_gather.model.synth import write_model
-    from gds_gather.pipeline import CpuPrefill, GpuPrefill
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill
+    from gds_gather.prefill.run import RowMapper
     path = write_model(tmp_path / "g.gguf", "gemma4-e2b", qtype="Q8_0", rows=3000, progress=False)
     cfg = gg.Config(platform="discrete", cache_bytes=0)
     with gg.open_table(path, config=cfg) as t:
@@ -296,7 +296,7 @@ def test_a_replay_waits_for_its_flag():
     sets the flag and is done after it, with the flag re-armed to 0 by the step itself; twice."""
     torch = pytest.importorskip("torch")
     import time
-    from gds_gather import accel
+    from gds_gather.gpu import accel
     a = accel.get("cuda")
     s = torch.cuda.Stream()
     flags = a.flags(2)
@@ -328,7 +328,7 @@ def test_cupy_stream_wraps_a_torch_stream_without_deprecation():
     errors here) and ExternalStream on cupy 13; work queued on it runs on the torch stream."""
     import cupy as cp
     torch = pytest.importorskip("torch")
-    from gds_gather import arrays
+    from gds_gather.gpu import arrays
     s = torch.cuda.Stream()
     cs = arrays.cupy_stream(s)
     assert cs.ptr == s.cuda_stream
@@ -343,7 +343,7 @@ import sys
 import numpy as np
 import torch
 import gds_gather as gg
-from gds_gather import destinations
+from gds_gather.gpu import destinations
 path, n = sys.argv[1], int(sys.argv[2])
 orig = destinations.ZeroCopy.inputs
 def inputs(self, s, n, stream):
@@ -399,7 +399,7 @@ def test_gds_compat_reads_bypass_the_page_cache(table_and_rows):
 
     import cupy as cp
     import kvikio.defaults
-    from gds_gather import native
+    from gds_gather.io import native
     path, rows = table_and_rows
     with gg.open_table(path) as t:
         fd = os.open(path, os.O_RDONLY)
@@ -456,10 +456,10 @@ def test_prefill_probe_and_refused_wait_value_fall_back_to_eager(tmp_path, monke
     """Finding 8: on this GPU the wait/write-value probe passes (graphs); a driver that refuses cuStreamWaitValue32
     makes the same prefill run eagerly, with the reason, and give the same per-layer inputs."""
     torch = pytest.importorskip("torch")
-    from gds_gather import graph
+    from gds_gather.gpu import graph
     from gds_gather.model.synth import write_model
-    from gds_gather.pipeline import GpuPrefill
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.pipeline import GpuPrefill
+    from gds_gather.prefill.run import RowMapper
     path = write_model(tmp_path / "m.gguf", "qwen4exp", qtype="IQ4_NL", rows=30000, progress=False)
     outs = {}
     with gg.open_table(path) as t:

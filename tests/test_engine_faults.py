@@ -21,7 +21,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather import native, uring
+from gds_gather.io import native
+from gds_gather.io import uring
 from gds_gather.planner import split_extents
 
 needs_uring = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
@@ -176,7 +177,7 @@ def test_undrainable_ring_refuses_clearly(big, monkeypatch):
         for _ in range(2):
             with pytest.raises(gg.ReadError, match="unusable after an earlier fault.*reopen the table"):
                 t.read_rows([1, 2], "direct")
-        from gds_gather import readers
+        from gds_gather.io import readers
         readers.release_staging_pool()
         st = r.staging
     assert not readers._POOL and st._map is None    # reads may still land in an undrained ring's staging: not reused

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather.gguf_file import read_gguf
+from gds_gather.formats.gguf_file import read_gguf
 
 PLE_NAME = b"per_layer_token_embd.weight"
 
@@ -329,7 +329,7 @@ def test_inflated_string_length(tmp_path):
 
 
 def test_find_tensor_parses_once(tmp_path, ggufs, monkeypatch):
-    from gds_gather import gguf_file
+    from gds_gather.formats import gguf_file
     p = ggufs.write(tmp_path / "no-ple.gguf", None, Q.Q4_0)
     calls = []
     real = gguf_file.GGUFHeader
@@ -450,15 +450,15 @@ def test_one_exception_hierarchy_in_errors_py():
     assert elsewhere == []
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
     assert all(issubclass(c, gg.GatherError) for c in classes) and len(classes) >= 18
-    for module, name in (("arrays", "BadDtypeError"), ("tokenizer", "TokenizerError"),
-                         ("schedule", "StagingCapacityError"), ("text", "PromptError"),
-                         ("safe_write", "OutputPathError"), ("graph", "WaitValueRefused")):
+    for module, name in (("gpu.arrays", "BadDtypeError"), ("prefill.tokenizer", "TokenizerError"),
+                         ("gpu.schedule", "StagingCapacityError"), ("prefill.prompts", "PromptError"),
+                         ("io.safe_write", "OutputPathError"), ("gpu.graph", "WaitValueRefused")):
         assert getattr(importlib.import_module(f"gds_gather.{module}"), name) is getattr(errors, name)
 
 
 def test_a_dtype_that_cannot_even_be_printed_is_a_bad_dtype():
     """An object whose str() and repr() both raise: BadDtypeError naming its type (not the error of its repr)."""
-    from gds_gather import arrays
+    from gds_gather.gpu import arrays
 
     class Weird:
         def __str__(self):

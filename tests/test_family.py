@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gds_gather import open_table
-from gds_gather.family import Qwen4exp, TokenRows, family_of
+from gds_gather.prefill.family import Qwen4exp, TokenRows, family_of
 from gds_gather.model.presets import PRESETS
 from gds_gather.model.qwen4exp import ple_rows
 from gds_gather.model.synth import write_model

@@ -9,7 +9,7 @@ from gguf import GGUFWriter
 
 import gds_gather as gg
 from gds_gather.errors import TableLayoutError
-from gds_gather.family import per_layer_layout
+from gds_gather.prefill.family import per_layer_layout
 
 VOCAB, N_LAYER, PER = 8, 3, 16
 

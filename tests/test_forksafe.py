@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gds_gather import forksafe
+from gds_gather.io import forksafe
 
 SEEN = {}
 

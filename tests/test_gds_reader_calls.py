@@ -14,8 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather.accel import CudaAccel, HostAccel
-from gds_gather.device import GdsReader
+from gds_gather.gpu.accel import CudaAccel, HostAccel
+from gds_gather.gpu.device import GdsReader
 
 pytest.importorskip("torch")        # (HostAccel)
 

@@ -32,9 +32,9 @@ from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType as Q
 from gguf import quants as gq
 
 import gds_gather as gg
-from gds_gather.gguf_file import read_gguf
+from gds_gather.formats.gguf_file import read_gguf
 from gds_gather.errors import TokenizerError
-from gds_gather.tokenizer import GGUFTokenizer
+from gds_gather.prefill.tokenizer import GGUFTokenizer
 
 CASES = int(os.environ.get("GDS_GATHER_FUZZ_CASES", "500"))
 SEED = int(os.environ.get("GDS_GATHER_FUZZ_SEED", "0"))

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from gds_gather.errors import HeaderError, TruncatedFileError
-from gds_gather.gguf_parse import MAX_KV, MAX_NAME, MAX_TENSORS, GGUFHeader
+from gds_gather.formats.gguf_parse import MAX_KV, MAX_NAME, MAX_TENSORS, GGUFHeader
 
 
 def _write(path, names=("a.weight", "b.weight"), *, strings=("x", "yz", "\u00e9t\u00e9"), ints=(3, 1, 4, 1, 5)):

@@ -217,7 +217,8 @@ def fake_cuda(monkeypatch):
     """FakeCuda installed as `cupy`, torch's current stream = TORCH_STREAM, the kernel launch recorded (and
     computed with dequant_gpu.reference_gather, so the rows are checked against gguf's dequantizer)."""
     torch = pytest.importorskip("torch")
-    from gds_gather import dequant_gpu, devcache
+    from gds_gather.gpu import dequant as dequant_gpu
+    from gds_gather.gpu import devcache
     fake = FakeCuda()
     monkeypatch.setitem(sys.modules, "cupy", fake.module)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: TorchStream())
@@ -229,7 +230,7 @@ def fake_cuda(monkeypatch):
         return dequant_gpu.reference_gather(staging.a, offs.a, inv, qtype, row_elems, dtype=dtype, **kw)
     monkeypatch.setattr(dequant_gpu, "gather_rows", gather_rows)
     monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
-    from gds_gather import device      # the fake's device pointer of mapped memory is its host address
+    from gds_gather.gpu import device      # the fake's device pointer of mapped memory is its host address
     monkeypatch.setattr(device, "device_view", lambda host: DevArray(host, fake))
     return fake
 
@@ -314,7 +315,7 @@ def test_another_stream_is_waited_for(fake_cuda, small_table):
 # -- finding 3: cupy 13 has no Stream.from_external ----------------------------------------------------------------
 @pytest.mark.parametrize("from_external", [True, False], ids=["cupy14", "cupy13"])
 def test_device_cache_copies_launch_on_the_given_stream_without_from_external(monkeypatch, from_external):
-    from gds_gather import devcache
+    from gds_gather.gpu import devcache
     fake = FakeCuda(from_external=from_external)
     monkeypatch.setitem(sys.modules, "cupy", fake.module)
     monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
@@ -358,8 +359,8 @@ def test_refused_register_is_never_unregistered(fake_cuda, small_table):
 
 
 def test_refused_register_after_regrowth_is_never_unregistered(fake_cuda):
-    from gds_gather.device import pin_staging
-    from gds_gather.readers import Staging
+    from gds_gather.gpu.device import pin_staging
+    from gds_gather.io.readers import Staging
     st = Staging()
     st.ensure(4096)
     pin_staging(st, mapped=True)
@@ -438,7 +439,7 @@ def _kvikio(defaults, gds: bool):
 @pytest.mark.parametrize("known,direct", [(("num_threads", "gds_threshold", "auto_direct_io_read"), True),
                                           (("num_threads", "gds_threshold"), False)], ids=["kvikio26", "kvikio25.8"])
 def test_compat_mode_reads_bypass_the_page_cache_and_say_so(known, direct):
-    from gds_gather.device import configure_kvikio
+    from gds_gather.gpu.device import configure_kvikio
     d = FakeKvikioDefaults(compat=True, known=known)
     real, how = configure_kvikio(8, _kvikio(d, gds=False))
     assert not real and d.values["num_threads"] == 8 and d.values["gds_threshold"] == 0
@@ -447,7 +448,7 @@ def test_compat_mode_reads_bypass_the_page_cache_and_say_so(known, direct):
 
 
 def test_real_gds_leaves_the_posix_setting_alone():
-    from gds_gather.device import configure_kvikio
+    from gds_gather.gpu.device import configure_kvikio
     d = FakeKvikioDefaults(compat=False)
     assert configure_kvikio(4, _kvikio(d, gds=True)) == (True, "real GPU-direct storage")
     assert d.values["auto_direct_io_read"] is False
@@ -457,7 +458,7 @@ def test_real_gds_leaves_the_posix_setting_alone():
 def test_native_publish_is_a_fenced_store(tmp_path):
     import shutil
     import subprocess
-    from gds_gather import native
+    from gds_gather.io import native
     lib, why = native.library(gg.Config(cache_dir=tmp_path))
     if lib is None:
         pytest.skip(why)
@@ -476,7 +477,8 @@ def test_native_publish_is_a_fenced_store(tmp_path):
 
 
 def test_publisher_without_native_helpers(monkeypatch):
-    from gds_gather import graph, native
+    from gds_gather.gpu import graph
+    from gds_gather.io import native
     monkeypatch.setattr(native, "library", lambda config=None: (None, "no C compiler (stand-in)"))
     monkeypatch.setattr(graph.platform, "machine", lambda: "aarch64")
     with pytest.raises(gg.errors.BackendError, match="store-store barrier"):
@@ -491,10 +493,10 @@ def test_refused_wait_during_capture_runs_eagerly(tmp_path):
     """The driver takes the eager probe's wait but refuses the captured node (HostAccel(refuse_waits="capture")):
     the real GpuPrefill falls back to eager steps, says why, and its rows equal the CPU pipeline's."""
     pytest.importorskip("torch")
-    from gds_gather.accel import HostAccel
+    from gds_gather.gpu.accel import HostAccel
     from gds_gather.model.synth import write_model
-    from gds_gather.pipeline import CpuPrefill, GpuPrefill
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill
+    from gds_gather.prefill.run import RowMapper
     path = write_model(tmp_path / "m.gguf", "gemma4-e2b", qtype="Q8_0", rows=3000, progress=False)
     tok = np.random.default_rng(0).integers(1, 3000, 40)
     with gg.open_table(path, config=gg.Config(platform="discrete", accel="host", cache_bytes=0)) as t:
@@ -581,7 +583,7 @@ class OldKvikioDefaults:
 def test_old_kvikio_and_no_cufile_driver():
     """KvikIO < 25.02 gets its threads and threshold through the *_reset calls; a cuFile driver that cannot be
     asked means no GPU-direct DMA; without auto_direct_io_read the reads are said to be buffered."""
-    from gds_gather.device import configure_kvikio
+    from gds_gather.gpu.device import configure_kvikio
     d = OldKvikioDefaults()
 
     def no_driver(key):
@@ -597,8 +599,8 @@ def test_gds_reader_on_the_host_accel(tmp_path, ggufs):
     unique row is the file's row, and refuses a plan at another alignment; Table.fetch_device through the gds
     destination first waits for the stream's earlier work; a destination of an unknown mode is refused."""
     pytest.importorskip("torch")
-    from gds_gather import destinations
-    from gds_gather.device import GdsReader
+    from gds_gather.gpu import destinations
+    from gds_gather.gpu.device import GdsReader
     from gds_gather.errors import BackendError
     path, raw, _ = ggufs.table(tmp_path / "g.gguf", 200, seed=4)
     with gg.open_table(path, config=gg.Config(platform="discrete", accel="host", cache_bytes=0)) as t:

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from gds_gather import hf  # noqa: E402
+from gds_gather.integrations import transformers as hf  # noqa: E402
 from gds_gather.benches.tiny import tiny  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
 
@@ -72,10 +72,10 @@ def test_model_not_from_a_directory(ckpt):
 
 
 def test_from_pretrained_without_verification_says_so(ckpt, tmp_path, caplog):
-    from gds_gather.convert import convert
+    from gds_gather.integrations.convert import convert
     gguf = tmp_path / "t.gguf"
     convert(ckpt, gguf, progress=False)
-    with caplog.at_level(logging.WARNING, logger="gds_gather.hf"):
+    with caplog.at_level(logging.WARNING, logger="gds_gather.integrations.transformers"):
         model = hf.from_pretrained(ckpt, table=gguf, verify_rows=0, dtype=torch.float32)
     assert f"{gguf}: table not checked against the checkpoint (verify_rows=0)" in caplog.text
     ref = _load(ckpt)
@@ -203,7 +203,7 @@ def test_a_weight_shared_with_another_parameter_is_not_freed(ckpt, caplog):
     w = model.get_per_layer_input_embeddings().weight
     model.register_parameter("gds_test_view", torch.nn.Parameter(w.detach()[:1], requires_grad=False))
     want = w.detach().clone()
-    with caplog.at_level(logging.WARNING, logger="gds_gather.hf"):
+    with caplog.at_level(logging.WARNING, logger="gds_gather.integrations.transformers"):
         h = hf.offload_per_layer_embeddings(model, source=ckpt)
     try:
         assert "per-layer embedding weight is shared with another parameter: not freed" in caplog.text

@@ -19,9 +19,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from gds_gather import dequant_gpu as dg
+from gds_gather.gpu import dequant as dg
 from gds_gather.model.synth import random_blocks
-from gds_gather.quants import supported_types
+from gds_gather.formats.quants import supported_types
 
 Q = GGMLQuantizationType
 TYPES = supported_types()
@@ -41,7 +41,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     hipcc = shutil.which("hipcc")
     if hipcc is None:
         pytest.skip("hipcc not found (apt-get install hipcc): the ROCm compile check of kernels/ cannot run")
-    from gds_gather.kernel_sources import write_sources
+    from gds_gather.gpu.kernel_sources import write_sources
     write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
     obj = tmp_path / "gather.o"
     cmd = [hipcc, *(f"--offload-arch={t}" for t in TARGETS), "-std=c++17", "-ffp-contract=off",
@@ -74,7 +74,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
 
 def test_hip_preprocessor_paths():
     """The HIP paths in the sources: kernels compiled under __HIP__, no PTX outside __CUDA_ARCH__."""
-    from gds_gather.kernel_sources import source
+    from gds_gather.gpu.kernel_sources import source
     gather, dequant = source("gather.cu"), source("dequant.cuh")
     assert "#if defined(__CUDACC__) || defined(__HIP__)" in gather
     assert "#if !defined(__CUDACC__) && !defined(__HIP__)" in dequant

@@ -14,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import hotrows, measure, rowcache
+from gds_gather.cache import hotrows
+from gds_gather.io import measure
+from gds_gather.cache import rowcache
 from gds_gather.config import Config
-from gds_gather.quants import GGMLQuantizationType as Q
+from gds_gather.formats.quants import GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.hot_rows
 N_ROWS, WIDTH = 4000, 64
@@ -60,9 +62,10 @@ def test_saved_rows_serve_a_new_start_exactly(table, first, second):
 
 def test_a_new_process_finds_the_last_runs_rows(table):
     path, cfg = table
-    code = ("import sys, numpy as np, gds_gather as gg, gds_gather.measure; from gds_gather.config import Config; "
+    code = ("import sys, numpy as np, gds_gather as gg; from gds_gather.io import measure; "
+            "from gds_gather.config import Config; "
             f"cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes={cfg.cache_bytes}); "
-            f"gg.measure.evict_file({str(path)!r}); t = gg.open_table({str(path)!r}, config=cfg); x = t.gather(np.arange(0, 4000, 7), backend='direct'); "
+            f"measure.evict_file({str(path)!r}); t = gg.open_table({str(path)!r}, config=cfg); x = t.gather(np.arange(0, 4000, 7), backend='direct'); "
             "s = t.stats(); print(s['hot_rows_loaded'], s['rows_from_cache']); np.save(sys.argv[1], x); t.close()")
     env = {**os.environ, "GDS_GATHER_HOT_ROWS": "1"}
     outs = []
@@ -90,7 +93,7 @@ def test_a_changed_table_is_never_served_stale(table, caplog, keep_mtime):
     ids = np.arange(0, N_ROWS, 3)
     _run(path, cfg, ids)
     _rewrite(path, seed=5, keep_mtime=keep_mtime)
-    with caplog.at_level(logging.WARNING, "gds_gather.hotrows"):
+    with caplog.at_level(logging.WARNING, "gds_gather.cache.hotrows"):
         x, loaded = _run(path, cfg, ids)
     assert loaded == 0 and np.array_equal(x, reference(path)[ids])
     assert "ignored" in caplog.text
@@ -113,17 +116,17 @@ def test_a_corrupt_hot_file_is_ignored_with_a_warning(table, caplog, damage):
     else:
         data = b""
     hot.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, "gds_gather.hotrows"):
+    with caplog.at_level(logging.WARNING, "gds_gather.cache.hotrows"):
         x, loaded = _run(path, cfg, ids)
     assert loaded == 0 and np.array_equal(x, reference(path)[ids]) and "ignored" in caplog.text
 
 
 def test_two_writers_at_once_leave_a_valid_file(table):
     path, cfg = table
-    code = ("import numpy as np, gds_gather as gg, gds_gather.measure; from gds_gather import rowcache; from gds_gather.config import "
-            f"Config; cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes=65536)\n"
+    code = ("import numpy as np, gds_gather as gg; from gds_gather.io import measure; from gds_gather.cache import rowcache; "
+            f"from gds_gather.config import Config; cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes=65536)\n"
             "for k in range(20):\n"
-            "    rowcache.drop_all(); gg.measure.evict_file(%r)\n" % str(path) +
+            "    rowcache.drop_all(); measure.evict_file(%r)\n" % str(path) +
             f"    t = gg.open_table({str(path)!r}, config=cfg)\n"
             "    t.gather(np.random.default_rng(k).integers(0, 4000, 300), backend='direct'); t.close()\n")
     procs = [subprocess.Popen([sys.executable, "-P", "-c", code]) for _ in range(2)]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather import hotrows
+from gds_gather.cache import hotrows
 from gds_gather.config import Config
-from gds_gather.quants import GGMLQuantizationType as Q
+from gds_gather.formats.quants import GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.hot_rows
 
@@ -47,7 +47,7 @@ def test_ids_outside_the_table_or_repeated(target, caplog, ids):
     tg, raw = target
     ids = np.array(ids)
     hotrows.save(tg, ids, np.ones(2, np.uint8), raw[np.clip(ids, 0, 499)])   # a valid CRC over bad ids
-    with caplog.at_level(logging.WARNING, "gds_gather.hotrows"):
+    with caplog.at_level(logging.WARNING, "gds_gather.cache.hotrows"):
         assert hotrows.load(tg, 10) is None
     assert "ignored: row ids outside the table or repeated" in caplog.text
 
@@ -58,7 +58,7 @@ def test_unwritable_cache_and_unreadable_file_are_warnings(target, tmp_path, cap
     blocked.write_text("a file where the cache directory should be")
     with gg.open_table(tg.path, config=Config.from_env(hot_rows=1, cache_dir=blocked)) as t:
         tb = hotrows.Target.of(t)
-    with caplog.at_level(logging.WARNING, "gds_gather.hotrows"):
+    with caplog.at_level(logging.WARNING, "gds_gather.cache.hotrows"):
         assert hotrows.save(tb, np.array([1]), np.ones(1, np.uint8), raw[[1]]) is None
         assert hotrows.load(tb, 10) is None
         hotrows.path_for(tg).mkdir(parents=True)            # a directory where the file should be

@@ -12,10 +12,10 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from gds_gather import dequant_gpu as dg
+from gds_gather.gpu import dequant as dg
 from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
-from gds_gather.quants import supported_types
+from gds_gather.formats.quants import supported_types
 
 pytestmark = pytest.mark.gpu
 

@@ -19,11 +19,11 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from gds_gather import dequant_gpu as dg
+from gds_gather.gpu import dequant as dg
 from gds_gather.errors import BackendError, RowWidthError, UnsupportedTypeError
 from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
-from gds_gather.quants import supported_types
+from gds_gather.formats.quants import supported_types
 
 Q = GGMLQuantizationType
 TYPES = supported_types()
@@ -66,7 +66,7 @@ def test_tables_come_from_gguf():
 
 def test_no_table_literals_in_sources():
     """Grids and kvalues come from gguf at load time; the C++ holds none of their values."""
-    from gds_gather.kernel_sources import source
+    from gds_gather.gpu.kernel_sources import source
     text = "".join(source(n) for n in ("dequant.cuh", "gather.cu", "host_check.cu"))
     for needle in ("-127, -104", "0x08, 0x19", "113", "0x2b"):
         assert needle not in text, needle
@@ -88,7 +88,7 @@ def test_kernel_names():
 
 
 def test_module_imports_no_gpu_library():
-    code = ("import sys, gds_gather.dequant_gpu as d; d.grids(); d.source(); "
+    code = ("import sys, gds_gather.gpu.dequant as d; d.grids(); d.source(); "
             "print(sorted(m for m in ('cupy', 'torch') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
@@ -275,7 +275,7 @@ def test_nvcc_sm90_compiles_every_kernel(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: the sm_90 compile check of kernels/gather.cu cannot run")
-    from gds_gather.kernel_sources import write_sources
+    from gds_gather.gpu.kernel_sources import write_sources
     write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
     flags = [f"-D{k}={v}" for k, v in dg.defines().items()]
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "--fmad=false", "--ftz=false", "-cubin", "-DGG_INSTANTIATE_ALL",

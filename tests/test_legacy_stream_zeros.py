@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather import devcache
-from gds_gather.accel import HostAccel, HostArray
+from gds_gather.gpu import devcache
+from gds_gather.gpu.accel import HostAccel, HostArray
 
 torch = pytest.importorskip("torch")
 from gds_gather.model.synth import write_model  # noqa: E402
-from gds_gather.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
-from gds_gather.prefill import RowMapper  # noqa: E402
+from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
+from gds_gather.prefill.run import RowMapper  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from gds_gather import TableLayoutError, open_table
 from gds_gather.benches.tiny import add_noise, text_model
-from gds_gather.convert import convert
-from gds_gather.prefill import run_prefill
+from gds_gather.integrations.convert import convert
+from gds_gather.prefill.run import run_prefill
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -99,8 +99,8 @@ def test_prefill_rows_and_per_layer_inputs_are_the_checkpoints(tables, kind):
     assert torch.equal(got, weight[torch.from_numpy(tokens)])
     res = run_prefill(tables[kind], tokens_override=tokens, ubatch=64, trunk="tiny", collect=True, progress=False,
                       log=None)
-    from gds_gather.pipeline import CpuPrefill
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.pipeline import CpuPrefill
+    from gds_gather.prefill.run import RowMapper
     with open_table(tables[kind]) as t:
         mapper = RowMapper(t)
         assert (mapper.n_layer, mapper.per_layer, mapper.row_scale) == (N_LAYER, PER_LAYER, 4.0)
@@ -132,7 +132,7 @@ def _gguf_without_layout(path: Path, metadata: dict) -> Path:
 def test_a_table_without_a_layout_is_one_line(tmp_path, metadata, words):
     path = _gguf_without_layout(tmp_path / "x.gguf", metadata)
     with open_table(path) as t:
-        from gds_gather.family import per_layer_layout
+        from gds_gather.prefill.family import per_layer_layout
         with pytest.raises(TableLayoutError):
             per_layer_layout(t)
     code, out, err = run_cli("prefill", str(path), "--tokens", "10")

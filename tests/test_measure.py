@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from gds_gather import measure
+from gds_gather.io import measure
 
 
 def test_human_bytes():

@@ -4,7 +4,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType as T
 from gguf import quants as gq
 
-from gds_gather import quants
+from gds_gather.formats import quants
 from gds_gather.errors import RowWidthError, UnsupportedTypeError
 from gds_gather.model.presets import PRESETS
 from gds_gather.model.qwen4exp import Qwen4expHParams

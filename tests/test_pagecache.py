@@ -12,8 +12,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather import measure, rowcache, uring
-from gds_gather.pagecache import PAGE, Residency
+from gds_gather.io import measure
+from gds_gather.cache import rowcache
+from gds_gather.io import uring
+from gds_gather.io.pagecache import PAGE, Residency
 
 NO_CACHE = gg.Config(cache_bytes=0)          # the row cache off: every row goes to the reader
 
@@ -37,7 +39,7 @@ def map_path(monkeypatch):
 @pytest.fixture
 def exact_path(monkeypatch):
     monkeypatch.setattr(Residency, "EXACT_DIV", 1)
-    from gds_gather import native
+    from gds_gather.io import native
     if native.library()[0] is None:
         pytest.skip("no native helpers (C compiler): the per-row path is not used")
 
@@ -79,7 +81,8 @@ def test_warm_rows_come_from_the_page_cache_cold_ones_odirect(wide):
 def test_a_large_batch_of_narrow_rows_is_copied_by_several_threads(tmp_path, ggufs, monkeypatch):
     """Narrow page-cache rows (34 B, Q8_0 of 32) of a batch of at least COPY_PER_THREAD rows a thread are copied out
     of the mapping by native threads: the rows equal the file's, and every one came from the page cache."""
-    from gds_gather import native, pagecache
+    from gds_gather.io import native
+    from gds_gather.io import pagecache
     if native.library()[0] is None:
         pytest.skip("no native helpers (C compiler)")
     path = ggufs.write(tmp_path / "n.gguf", ggufs.rows(Q.Q8_0, 20000, 32, seed=5), Q.Q8_0)
@@ -276,7 +279,7 @@ def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
             res._last = -float("inf")               # the per-row path then runs until it has cost one refresh
             vec = np.zeros(-(-size // PAGE), np.uint8)
             import ctypes
-            from gds_gather.measure import _libc
+            from gds_gather.io.measure import _libc
             _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
                             vec.ctypes.data_as(ctypes.c_void_p))
             start = t.data_offset + rows * t.row_bytes
@@ -313,7 +316,7 @@ def test_few_rows_on_a_cold_file_skip_mincore(wide, exact_path):
 def test_mincore_is_not_trusted_for_files_it_would_lie_about(wide, monkeypatch):
     """Linux >= 5.0 reports every page resident where the process neither owns nor may write the file: such a
     file gets no page-cache reads (all O_DIRECT), rows still exact."""
-    from gds_gather import pagecache
+    from gds_gather.io import pagecache
     path, raw = wide
     assert pagecache._mincore_trusted(path)
     monkeypatch.setattr(pagecache.os, "geteuid", lambda: 12345)          # another user, no write access

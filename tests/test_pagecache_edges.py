@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from gds_gather import native, pagecache
+from gds_gather.io import native
+from gds_gather.io import pagecache
 from gds_gather.config import Config
 from gds_gather.errors import ReadError
 

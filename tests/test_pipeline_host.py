@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather import destinations, devcache
-from gds_gather.accel import HostAccel, HostArray, StreamOrderError
+from gds_gather.gpu import destinations
+from gds_gather.gpu import devcache
+from gds_gather.gpu.accel import HostAccel, HostArray, StreamOrderError
 from gds_gather.errors import ReadError, StagingCapacityError
 
 torch = pytest.importorskip("torch")
 from gds_gather.model.synth import write_model  # noqa: E402
-from gds_gather.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
-from gds_gather.prefill import RowMapper  # noqa: E402
+from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
+from gds_gather.prefill.run import RowMapper  # noqa: E402
 
 UB = 64
 BUDGET = 1 << 20
@@ -328,7 +329,7 @@ def test_staging_on_one_stream_and_the_kernel_on_another_gives_wrong_rows(table_
     """Review finding 1 on HostAccel: the staging queued on stream A and the kernel on stream B, B synchronized
     first: the kernel reads staging that was never written (the bug the stream choice fixed). Everything on one
     stream: exact."""
-    from gds_gather import dequant_gpu
+    from gds_gather.gpu import dequant as dequant_gpu
     with gg.open_table(table_file, config=_cfg("discrete", 0)) as t:
         acc = t.accel
         ids = _ids(40, 2)

@@ -13,7 +13,7 @@ import gds_gather as gg
 from gds_gather import platform as pf
 from gds_gather.model.synth import write_model
 
-H200 = {"name": b"NVIDIA H200", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 0}   # measured-facts.md
+H200 = {"name": b"NVIDIA H200", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 0}   # as the H200 reports them
 GB10 = {"name": b"NVIDIA GB10", "integrated": 1, "pageableMemoryAccessUsesHostPageTables": 0}
 GH200 = {"name": b"NVIDIA GH200 480GB", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 1}
 MI300 = {"name": b"AMD Instinct MI300X", "integrated": 0}
@@ -140,7 +140,7 @@ def test_fetch_device_asks_the_same_decision(monkeypatch, table):
     with pytest.raises(gg.BackendError, match="injected"):
         table.fetch_device(plan, "auto")
     assert seen == [(table, "auto")]
-    pipeline = importlib.import_module("gds_gather.pipeline")
+    pipeline = importlib.import_module("gds_gather.prefill.pipeline")
     assert pipeline.choose_device is importlib.import_module("gds_gather.backends").choose_device
 
 
@@ -154,7 +154,7 @@ def test_gds_reader_turns_a_library_load_failure_into_backend_error(monkeypatch,
             raise OSError("libkvikio.so: cannot open shared object file")
         return real_import(name, *a, **k)
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    from gds_gather.device import GdsReader
+    from gds_gather.gpu.device import GdsReader
     with pytest.raises(gg.BackendError, match="OSError: libkvikio.so") as info:
         GdsReader(table.path, table.data_offset, table.n_bytes, config=table.config, file_id=table.file_id)
     assert isinstance(info.value.__cause__, OSError)

@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import prefetch, rowcache, uring
+from gds_gather.cache import prefetch
+from gds_gather.cache import rowcache
+from gds_gather.io import uring
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -283,8 +285,8 @@ def test_the_cpu_prefill_with_prefetch_gives_the_same_rows(tmp_path):
     """CpuPrefill hands each next ubatch to prefetch: the per-layer rows equal those of the prefill without it,
     and rows were read ahead."""
     from gds_gather.model.synth import write_model
-    from gds_gather.pipeline import CpuPrefill
-    from gds_gather.prefill import RowMapper
+    from gds_gather.prefill.pipeline import CpuPrefill
+    from gds_gather.prefill.run import RowMapper
     path = write_model(tmp_path / "q.gguf", "qwen4exp", rows=20000, progress=False)
     tokens = np.random.default_rng(3).integers(0, 5000, 700)
     outs = {}

@@ -10,7 +10,7 @@ import pytest
 import gds_gather as gg
 from gds_gather.model.qwen4exp import Qwen4expHParams, ple_rows
 from gds_gather.model.synth import write_model
-from gds_gather.prefill import RowMapper, run_prefill
+from gds_gather.prefill.run import RowMapper, run_prefill
 
 torch = pytest.importorskip("torch")
 
@@ -54,7 +54,7 @@ def test_cpu_pipeline_matches_resident_reference(model, backend):
     res = run_prefill(model, prompt=None, n_tokens=None, ubatch=ubatch, backend=backend, progress=False,
                       log=None, collect=True, trunk="tiny", tokens_override=tokens)
     assert res["pipeline"] == "cpu" and res["tokens"] == 700 and res["ubatches"] == 3
-    from gds_gather.pipeline import CpuPrefill
+    from gds_gather.prefill.pipeline import CpuPrefill
     with gg.open_table(model) as t:
         pipe = CpuPrefill(t, RowMapper(t), ubatch=ubatch, trunk="tiny")
         for k, ((ple, hid), rows) in enumerate(zip(res["outputs"], ref_rows)):
@@ -90,7 +90,7 @@ def test_cpu_pipeline_figures(model):
 def test_cold_evicts_the_table_file_only(model, monkeypatch):
     """cold=True evicts the table file (never the whole machine's page cache); drop_caches=True asks for the
     system-wide drop and falls back to the file when refused (not root)."""
-    from gds_gather import measure
+    from gds_gather.io import measure
     asked, evicted = [], []
     monkeypatch.setattr(measure, "drop_caches", lambda: asked.append(1) or False)
     real_evict = measure.evict_file
@@ -144,7 +144,7 @@ def test_device_row_cache_across_ubatches_and_prompts(model, backend, graph, bud
     prompts of one process, equal to the resident table; a small budget keeps evicting and stays exact."""
     if backend == "gds":
         pytest.importorskip("kvikio")
-    from gds_gather import devcache
+    from gds_gather.gpu import devcache
     devcache.drop_all()
     with gg.open_table(model) as t:
         vocab = min(RowMapper(t).n_vocab, t.n_rows)
@@ -171,7 +171,7 @@ def test_device_row_cache_across_ubatches_and_prompts(model, backend, graph, bud
 def test_options_object_and_keywords_run_the_same_prefill(model):
     """run_prefill(path, PrefillOptions(...)) as the CLI calls it, keywords on top of it as bench prefill does, and
     bare keywords as older callers do: the same rows. A bad ubatch is refused when the options are made."""
-    from gds_gather.prefill import PrefillOptions
+    from gds_gather.prefill.run import PrefillOptions
     opts = PrefillOptions(n_tokens=300, ubatch=100, trunk="none", progress=False, log=None, collect=True)
     a = run_prefill(model, None, opts)
     b = run_prefill(model, None, opts.with_(ubatch=300))

@@ -10,7 +10,7 @@ import pytest
 
 from gds_gather.errors import GatherError
 from gds_gather.model.synth import write_model
-from gds_gather.prefill import PrefillOptions, run_prefill, summary_lines
+from gds_gather.prefill.run import PrefillOptions, run_prefill, summary_lines
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ U64 = 2 ** 64
 
 
 def reference_rows(stream, hp, prev=(), image=None):
-    """Straight from the pseudo-code in measured-facts.md, plain Python ints, one token at a time."""
+    """Straight from llama.cpp's llm_graph_input_ple::set_input, plain Python ints, one token at a time."""
     img = hp.image_token_id if hp.image_token_id is not None else hp.eos_token_id
     toks = [img if (image is not None and image[i]) else int(t) for i, t in enumerate(stream)]
     full = [int(t) for t in prev] + toks

@@ -9,7 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from gds_gather import native, readers, uring
+from gds_gather.io import native
+from gds_gather.io import readers
+from gds_gather.io import uring
 from gds_gather.config import Config
 from gds_gather.errors import ReadError
 

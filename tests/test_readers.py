@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import native, readers, uring
-from gds_gather.storage import filesystem
+from gds_gather.io import native
+from gds_gather.io import readers
+from gds_gather.io import uring
+from gds_gather.io.storage import filesystem
 
 HOST = ["direct", "pread", "mmap", "readahead", "resident"]
 # (type, width): row bytes 2, 90, 170, 4080, 4096, 4097, 20000
@@ -25,7 +27,7 @@ GEOMETRIES = [(Q.F16, 1), (Q.IQ4_NL, 160), (Q.Q8_0, 160), (Q.MXFP4, 7680), (Q.F3
 def table_file(tmp_path, ggufs, qtype, width, n_rows, seed=0, at_eof=True):
     """A GGUF whose table is the last tensor; with at_eof the file ends exactly at the table's last byte."""
     rng = np.random.default_rng(seed)
-    from gds_gather.quants import row_bytes
+    from gds_gather.formats.quants import row_bytes
     rows = rng.integers(0, 256, (n_rows, row_bytes(qtype, width)), dtype=np.uint8)
     p = ggufs.write(tmp_path / f"t-{qtype.name}-{width}.gguf", rows, qtype)
     if at_eof:
@@ -48,7 +50,7 @@ def engine_configs():
 
 @pytest.mark.parametrize("qtype,width", GEOMETRIES, ids=lambda x: getattr(x, "name", str(x)))
 def test_every_reader_exact_odd_geometries(tmp_path, ggufs, qtype, width):
-    from gds_gather.quants import row_bytes
+    from gds_gather.formats.quants import row_bytes
     rb = row_bytes(qtype, width)
     n_rows = max(40, 300_000 // rb)
     path, rows = table_file(tmp_path, ggufs, qtype, width, n_rows)
@@ -366,7 +368,7 @@ def test_bad_output_dtype_is_a_gather_error_naming_the_accepted_ones(small_table
             t.gather([1, 2], dtype=dtype)
         assert isinstance(e.value, TypeError)      # still a TypeError for callers that caught that
     for good, name in ((np.float16, "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")):
-        from gds_gather.arrays import dtype_name
+        from gds_gather.gpu.arrays import dtype_name
         assert dtype_name(good) == name
 
 
@@ -375,7 +377,7 @@ def test_bad_output_dtype_is_a_gather_error_naming_the_accepted_ones(small_table
 @pytest.fixture(scope="module")
 def prop_table(tmp_path_factory):
     """7,000 rows of 170 B (1.2 MB) ending exactly at the end of the file."""
-    from gds_gather.quants import row_bytes
+    from gds_gather.formats.quants import row_bytes
     rows = np.random.default_rng(11).integers(0, 256, (7000, row_bytes(Q.Q8_0, 160)), dtype=np.uint8)
     import importlib.util
     spec = importlib.util.spec_from_file_location("_cf", os.path.join(os.path.dirname(__file__), "conftest.py"))
@@ -561,7 +563,7 @@ def test_handover_sees_complete_extents_once_while_the_rest_are_read(pages, monk
 
 
 def test_direct_read_runs_during_io_once_on_every_engine(small_table):
-    from gds_gather import measure
+    from gds_gather.io import measure
     cfgs = [gg.Config(engine="threads")] + ([gg.Config(engine="uring")] if uring.probe()[0] else [])
     for cfg in cfgs:
         measure.evict_file(small_table)          # rows the page cache holds are copied, no read: no during_io

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from gds_gather import native, readers
+from gds_gather.io import native
+from gds_gather.io import readers
 
 
 @pytest.mark.parametrize("use_lib", [False, True], ids=["numpy", "native"])

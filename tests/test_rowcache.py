@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import native, rowcache
-from gds_gather.rowcache import HashIndex, RowCache, budget_for, capacity_for
+from gds_gather.io import native
+from gds_gather.cache import rowcache
+from gds_gather.cache.rowcache import HashIndex, RowCache, budget_for, capacity_for
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

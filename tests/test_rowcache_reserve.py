@@ -8,11 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import native, rowcache, source
+from gds_gather.io import native
+from gds_gather.cache import rowcache
+from gds_gather.cache import source
 from gds_gather.config import Config
 from gds_gather.errors import ReadError
 from gds_gather.planner import plan_rows, replan, subplan
-from gds_gather.rowcache import PENDING, RowCache
+from gds_gather.cache.rowcache import PENDING, RowCache
 
 
 def _lib():

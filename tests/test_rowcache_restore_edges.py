@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gds_gather.rowcache import FreqSketch, RowCache
+from gds_gather.cache.rowcache import FreqSketch, RowCache
 
 ROW = 64
 

@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from gds_gather import safe_write
+from gds_gather.io import safe_write
 from gds_gather.config import Config
 from gds_gather.errors import OutputPathError
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gds_gather import errors
-from gds_gather.safetensors_file import find_table_tensor, load_text_config, read_header
+from gds_gather.formats.safetensors_file import find_table_tensor, load_text_config, read_header
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -1,4 +1,4 @@
-"""The prefill's host-side schedule (gds_gather.schedule) against a stand-in device with the GPU's ordering contract.
+"""The prefill's host-side schedule (gds_gather.gpu.schedule) against a stand-in device with the GPU's ordering contract.
 
 The stand-in's "stream" is a thread running queued steps in order; a gated step blocks until the host sets its
 slot's flag, exactly as the captured cuStreamWaitValue32 node does, and then re-arms the flag. Each step reads
@@ -18,7 +18,7 @@ from gds_gather.errors import GatherError, ReadError
 from gds_gather.model.synth import write_model
 from gds_gather.planner import plan_rows
 from gds_gather.errors import StagingCapacityError
-from gds_gather.schedule import check_fits, graph_mode, run_ubatches, staging_bound, staging_bound_for
+from gds_gather.gpu.schedule import check_fits, graph_mode, run_ubatches, staging_bound, staging_bound_for
 
 HANG = 5.0      # a step blocked this long counts as a hang (the real GPU would wait forever)
 
@@ -312,7 +312,7 @@ def test_gpu_prefill_implements_the_device_contract():
     """GpuPrefill is run_ubatches' device: every method the schedule calls exists with the contract's arity."""
     import inspect
 
-    from gds_gather.pipeline import GpuPrefill
+    from gds_gather.prefill.pipeline import GpuPrefill
     arity = {"slot_free": 2, "launch": 2, "release": 1, "scrub": 1, "done": 2, "drain": 0, "rearm": 0}
     for name, n in arity.items():
         fn = getattr(GpuPrefill, name)

@@ -1,4 +1,4 @@
-"""The cached source (gds_gather/source.py): one look-up / read / admit / count for host and device storage.
+"""The cached source (gds_gather/cache/source.py): one look-up / read / admit / count for host and device storage.
 
 Host storage returns the batch's rows; device storage returns pool offsets, fresh rows and admissions, which
 tests/test_devcache.emulate plays as the device would. Both are checked against the file's bytes, and against each
@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import devcache, readers, source
-from gds_gather.rowcache import RowCache
+from gds_gather.gpu import devcache
+from gds_gather.io import readers
+from gds_gather.cache import source
+from gds_gather.cache.rowcache import RowCache
 
 from .test_devcache import emulate
 

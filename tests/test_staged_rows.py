@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather import measure, native, prefetch, uring
+from gds_gather.io import measure
+from gds_gather.io import native
+from gds_gather.cache import prefetch
+from gds_gather.io import uring
 
 N_ROWS = 2000            # IQ4_NL width 160: 90 B rows, ~45 to a 4 KiB page, some straddling two
 

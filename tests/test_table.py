@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.quants import Q, supported_types
+from gds_gather.formats.quants import Q, supported_types
 
 
 TYPES = supported_types()

@@ -11,7 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather import native, uring
+from gds_gather.io import native
+from gds_gather.io import uring
 
 THREADS, BATCHES = 4, 250
 
@@ -126,7 +127,7 @@ def test_forked_processes_and_the_parent_read_exactly(table_file, backend, kw, e
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_child_forked_while_another_thread_reads_does_not_hang(table_file):
     """fork() while a parent thread holds the Table's, the reader's, the ring's or the row cache's lock: the child
-    gets fresh locks (gds_gather.forksafe) and reads exactly, instead of waiting forever for a thread it lacks."""
+    gets fresh locks (gds_gather.io.forksafe) and reads exactly, instead of waiting forever for a thread it lacks."""
     import signal
     import time
     path, oracle = table_file
@@ -169,7 +170,7 @@ def test_a_child_forked_while_another_thread_reads_does_not_hang(table_file):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_child_forked_while_the_staging_pool_is_locked_opens_readers(table_file):
-    from gds_gather import readers
+    from gds_gather.io import readers
     path, oracle = table_file
     held, go = threading.Event(), threading.Event()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gds_gather import text
+from gds_gather.prefill import prompts as text
 from gds_gather.errors import PromptError
 
 

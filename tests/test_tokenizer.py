@@ -15,9 +15,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from gds_gather.errors import GatherError
-from gds_gather.gguf_file import read_gguf
-from gds_gather.text import default_text, prompt_tokens
-from gds_gather.tokenizer import (
+from gds_gather.formats.gguf_file import read_gguf
+from gds_gather.prefill.prompts import default_text, prompt_tokens
+from gds_gather.prefill.tokenizer import (
     BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, GGUFTokenizer, TokenizerError, _bpe_merge, _bytes_to_unicode,
     _compiled, _QWEN2, _regex_split, _spm_merge, tokenizer_name)
 
@@ -392,7 +392,7 @@ def _qwen4exp_model(path, ggufs, with_tokenizer: bool, rows: int = 3000):
 def test_prefill_uses_the_models_tokenizer(tmp_path, ggufs, gpt2):
     pytest.importorskip("torch")
     import torch
-    from gds_gather.prefill import run_prefill
+    from gds_gather.prefill.run import run_prefill
     model = _qwen4exp_model(tmp_path / "q.gguf", ggufs, with_tokenizer=True)
     prompt = tmp_path / "prompt.txt"
     text = "The thing sings; the theme sings. " * 20 + "Naïve café 42 — 日本."
@@ -494,7 +494,7 @@ def test_llama_attrs_rules():
 # ---- streaming: a prompt read chunk by chunk gives the ids of one read --------------------------------------------
 @pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "llama-spm", "phi-3", "gemma-4", "falcon"])
 def test_streamed_prompt_equals_one_read(llama_vocab, name, tmp_path, monkeypatch):
-    import gds_gather.text as text_mod
+    import gds_gather.prefill.prompts as text_mod
     tok = llama_vocab(name)
     text = "".join(t + "\n" for t, _ in vocab_cases(name)) * 2 + "<|tool_response> x</s> <tool_response|> end"
     p = tmp_path / "p.txt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gds_gather.errors import TokenizerError
-from gds_gather.tokenizer import BYTE, CONTROL, NORMAL, SPACE, GGUFTokenizer
+from gds_gather.prefill.tokenizer import BYTE, CONTROL, NORMAL, SPACE, GGUFTokenizer
 
 LLAMA = ["<unk>", "<s>", "</s>", SPACE + "hello", SPACE + "world", "<0x41>", "!"]
 TYPES = [2, CONTROL, CONTROL, NORMAL, NORMAL, BYTE, NORMAL]

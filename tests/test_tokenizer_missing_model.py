@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from gds_gather.errors import TokenizerError
-from gds_gather.tokenizer import GGUFTokenizer
+from gds_gather.prefill.tokenizer import GGUFTokenizer
 
 
 def _write(path, tokens):

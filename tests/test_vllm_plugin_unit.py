@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from gds_gather import vllm_plugin  # noqa: E402
+from gds_gather.integrations import vllm as vllm_plugin  # noqa: E402
 
 VLLM_PY = os.environ.get("GDS_GATHER_VLLM_PYTHON")
 
@@ -87,7 +87,7 @@ SPLIT = textwrap.dedent("""
     import json
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from types import SimpleNamespace
-    from gds_gather import vllm_plugin
+    from gds_gather.integrations import vllm as vllm_plugin
     from gds_gather.errors import ModelMismatchError
     out = {}
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
@@ -118,4 +118,4 @@ def test_compilation_settings_in_vllm():
     assert out["full"].startswith("the per-layer embedding on disk cannot run inside a full CUDA graph "
                                   "(cudagraph_mode=FULL) of the text-only class: pass compilation_config="
                                   "{'cudagraph_mode': 'PIECEWISE'}")
-    assert out["class"] == ["Gemma4ForCausalLM", "gds_gather.vllm_plugin", True, True]
+    assert out["class"] == ["Gemma4ForCausalLM", "gds_gather.integrations.vllm", True, True]

@@ -19,7 +19,9 @@ from statistics import median
 
 import numpy as np
 
-from .. import hotrows, measure, native
+from ..cache import hotrows
+from ..io import measure
+from ..io import native
 from ..config import Config
 from .plot import bars, figure, panel_series
 from .report import (COUNT, ROWS, TOKENS, UBATCH, GiB, HOST_BACKENDS, MiB, apply_cache_option, bench_facts,
@@ -42,7 +44,7 @@ TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0
            "newproc": (("mmap",), 0.8), "restart": (("mmap",), 0.8)}
 
 # A virtual disk caches on its host: on the development VM the first cold read of a trace ran 2-3x slower than later
-# ones for whichever backend read it first, whatever the backend (docs/decisions.md), and direct always came first.
+# ones for whichever backend read it first, whatever the backend (docs/decisions/cold-pass-method.md), and direct always came first.
 PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts the device's own caches (a virtual "
               "disk's host cache) in the same state for every timed round, and the backends take turns going first "
               "(round r starts with backend r); resident, which loads and frees the whole table, goes last in every "
@@ -111,8 +113,8 @@ def _trace(t, a) -> tuple[list[np.ndarray], str]:
         ids = np.random.default_rng(0).integers(0, t.n_rows, a.ids)
         return ([ids[k:k + a.batch] for k in range(0, ids.size, a.batch)],
                 f"{a.ids:,} uniform random row ids in gathers of {a.batch:,}")
-    from ..prefill import RowMapper
-    from ..text import prompt_tokens
+    from ..prefill.run import RowMapper
+    from ..prefill.prompts import prompt_tokens
     mapper = RowMapper(t)
     tokenizer = getattr(mapper, "tokenizer", None)       # the model's own tokenizer, where the file carries one
     tokens = prompt_tokens(mapper.n_vocab, mapper.reserved, a.prompt, a.tokens,
@@ -275,7 +277,7 @@ def _gpu_stream(backends, cfg: Config):
     if not any(b.startswith("gpu:") for b in backends):
         return None
     if cfg.accel != "cuda":                 # HostAccel: one of its streams (any HostStream serves every table)
-        from .. import accel
+        from ..gpu import accel
         return accel.get(cfg.accel).stream()
     import cupy
     return cupy.cuda.Stream(non_blocking=True)
@@ -284,7 +286,7 @@ def _gpu_stream(backends, cfg: Config):
 def empty_row_cache() -> bool:
     """Empty this process's row caches (they outlive Tables) where this build has one; True when it did."""
     try:
-        from .. import rowcache
+        from ..cache import rowcache
     except ImportError:
         return False
     drop = getattr(rowcache, "empty_all", None) or getattr(rowcache, "drop_all", None)   # (older builds: drop)
@@ -608,7 +610,7 @@ def default_backends(cfg: Config) -> list[str]:
     if plat.kind != "cpu":
         out.append("gpu:direct")
         if plat.kind == "discrete":
-            from .. import accel
+            from ..gpu import accel
             if accel.get(cfg.accel).gds_state()[0]:     # (the GPU's: backends.gds_state)
                 out.append("gpu:gds")
     return out
@@ -661,7 +663,7 @@ def run_gather(a, cfg: Config) -> dict:
               f"gather call", "#   "), flush=True)
 
     def facts_line(p):
-        from ..storage import filesystem
+        from ..io.storage import filesystem
         return f"{filesystem(p)} on {block_device(p)}"
 
     result = {"bench": "gather", "facts": facts, "backends": backends, "trace": a.trace, "qd": a.qd,

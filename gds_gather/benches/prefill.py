@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..config import Config
-from ..measure import counter_name
+from ..io.measure import counter_name
 from .gather import cache_line, default_backends, empty_row_cache
 from .plot import bars, figure, panel_series
 from .report import (TOKENS, UBATCH, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold,
@@ -38,7 +38,7 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
 def run_prefill_bench(a, cfg: Config) -> dict:
     import gds_gather as gg
     from ..platform import detect
-    from ..prefill import PrefillOptions, default_model, default_trunk, run_prefill
+    from ..prefill.run import PrefillOptions, default_model, default_trunk, run_prefill
     q = a.quick
     a.tokens = (2048 if q else 8192) if a.tokens is None else a.tokens
     a.ubatch = (1024 if q else 2048) if a.ubatch is None else a.ubatch
@@ -201,7 +201,7 @@ def _x(x) -> str:
 
 def _prefill_targets(path, get: dict, runs: list, a) -> dict:
     """The prefill's targets: cold direct >= 0.9 x min(resident, storage-bound), >= 3 x cold mmap."""
-    from .. import measure
+    from ..io import measure
     cold = next(r for r in runs if r["backend"] == "direct" and r["cache"] == "cold")
     rows_per_tok = cold["unique_rows"] / max(1, a.tokens)
     fio = measure.fio_randread(path, bs="4k", direct=True, iodepth=128, runtime=3 if a.quick else 5)

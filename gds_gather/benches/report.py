@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import measure
+from ..io import measure
 from ..cli import MAX_UBATCH, int_in
-from ..measure import fit
+from ..io.measure import fit
 from ..config import Config
 from ..model.synth import MAX_ROWS
-from ..text import MAX_TOKENS
+from ..prefill.prompts import MAX_TOKENS
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HOST_BACKENDS = ("direct", "pread", "mmap", "readahead", "resident")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import accel as accel_mod
-from .. import measure
+from ..gpu import accel as accel_mod
+from ..io import measure
 from ..config import Config
 from .plot import bars, figure
 from .report import (COUNT, GiB, KiB, MiB, bench_facts, cold_method, data_dir, fit, go_cold, human_size,
@@ -54,7 +54,7 @@ class StorageWorker:
 
     def __init__(self, path: Path, xfer: str, io: int, qd: int, pattern: str, index: int, nthreads: int,
                  seed: int, threads: int, accel=None):
-        from ..storage import logical_block_size
+        from ..io.storage import logical_block_size
         self.path, self.xfer, self.io = path, xfer, io
         self.accel = accel
         size = os.path.getsize(path)
@@ -79,8 +79,8 @@ class StorageWorker:
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _setup_uring(self, blk: int) -> None:
-        from .. import uring
-        from ..readers import Staging
+        from ..io import uring
+        from ..io.readers import Staging
         self.align = blk
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         try:

@@ -52,7 +52,7 @@ def run(model_dir, *, n_prompts: int = 4, prompt_len: int = 32, max_tokens: int 
     vocab = min(int(hf.vocab_size), int(getattr(hf, "vocab_size_per_layer_input", hf.vocab_size)))
 
     def stats(model):
-        from gds_gather.vllm_plugin import PerLayerEmbedding
+        from ..integrations.vllm import PerLayerEmbedding
         seen, n = set(), 0
         for p in model.parameters():
             key = (p.device, p.untyped_storage().data_ptr())

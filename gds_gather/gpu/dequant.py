@@ -1,0 +1,635 @@
+"""Dequant-scatter of quantized GGUF rows on the GPU, and the same CUDA C++ built for the host.
+
+The kernels (``kernels/dequant.cuh``, ``kernels/gather.cu``) read quantized rows from a staging buffer, map
+each output row to its unique row through the planner's inverse map, dequantize every GGUF type gguf can
+dequantize, at any valid width, optionally scale, and write float32, float16 or bfloat16, either flat
+``[n, row_elems]`` or in gemma's per-layer layout ``[n_layer, n, row_elems // n_layer]``.
+
+GPU path: compiled once per process and type with CuPy's RawModule (NVRTC, ``name_expressions``), launched on
+the caller's stream, never synchronizing. Host path: ``kernels/host_check.cu`` compiled with g++ (or nvcc)
+into a small shared library loaded with ctypes; it runs the very same per-type dequantizers and the gather's
+per-item routine, which is how the kernels are checked bit for bit on machines without a GPU.
+
+Exactness: every type follows gguf.quants' float32 operation order. Products followed by an add are exact
+(fp16 scale x small integer), so FMA contraction cannot change a result, and the sources are compiled without
+it anyway (NVRTC ``--fmad=false``, g++ ``-ffp-contract=off``). The products that can meet subnormals (MXFP4
+with e8m0 exponent 0 or 1, the output scale) use an explicit ``mul.rn.f32`` on the device, so CuPy's
+``-ftz=true`` (appended to every NVRTC compile) cannot flush them. float32 output therefore equals
+``gguf.quants.dequantize`` bit for bit, and the GPU tests compare exactly (no ulp tolerance). float16 and
+bfloat16 outputs round the (scaled) float32 value to nearest even, as numpy ``astype(float16)`` and torch
+``.to(bfloat16)`` do; only NaN payloads may differ (sm_80+ conversion instructions write a canonical NaN).
+
+cupy and torch are imported lazily; nothing here imports them at module import time.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
+
+from . import arrays
+from ..formats import quants
+from ..errors import BackendError, RowWidthError, UnsupportedTypeError
+
+Q = GGMLQuantizationType
+
+KERNEL_SOURCES = ("dequant.cuh", "gather.cu")
+HOST_SOURCE = "host_check.cu"
+# NVRTC options: no FMA contraction, denormals kept. CuPy appends -ftz=true after these (cupy/cuda/compiler.py),
+# and the last -ftz wins; the kernels do not depend on it (see dequant.cuh, gg_mul).
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false")
+# hiprtc (cupy's ROCm build) takes clang options; cupy appends -fcuda-flush-denormals-to-zero, which the kernels
+# do not depend on either (gg_mul keeps subnormals on HIP in integer arithmetic; see dequant.cuh).
+HIPRTC_OPTIONS = ("-std=c++17", "-ffp-contract=off")
+# g++ options for the host check: no contraction, no fast math (x86-64 float math is SSE: no excess precision).
+HOST_CXX_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+OUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+INDEX_CTYPES = {"int32": "int", "int64": "long long"}
+BLOCK = 256          # threads per CTA (GG_BLOCK in gather.cu)
+ITEM = 8             # elements per thread work item
+ITEMS_PER_CTA = 2048  # work per CTA when the gather is large enough to fill the GPU
+LAYOUTS = ("flat", "per_layer")
+
+
+# ---- tables from gguf ------------------------------------------------------------------------------------------
+def _small_ints(cls, dtype) -> np.ndarray:
+    """A gguf grid (float32 values that are small integers) as exact integers, [rows, cols]."""
+    cls.init_grid()
+    g = np.asarray(cls.grid, np.float32).reshape(cls.grid_shape)
+    out = g.astype(dtype)
+    if not np.array_equal(out.astype(np.float32), g):
+        raise AssertionError(f"gguf {cls.__name__} grid does not fit {np.dtype(dtype).name}")
+    return np.ascontiguousarray(out)
+
+
+@functools.cache
+def _grids() -> tuple[tuple[str, np.ndarray], ...]:
+    iq1s = _small_ints(gq.IQ1_S, np.int8)
+    if not np.array_equal(_small_ints(gq.IQ1_M, np.int8), iq1s):
+        raise AssertionError("gguf IQ1_M and IQ1_S grids differ; the kernels share one iq1s grid")
+    return (
+        ("IQ2XXS", _small_ints(gq.IQ2_XXS, np.uint8)),     # [256, 8]  values 8, 25, 43
+        ("IQ2XS", _small_ints(gq.IQ2_XS, np.uint8)),       # [512, 8]
+        ("IQ2S", _small_ints(gq.IQ2_S, np.uint8)),         # [1024, 8]
+        ("IQ3XXS", _small_ints(gq.IQ3_XXS, np.uint8)),     # [256, 4]  4..62
+        ("IQ3S", _small_ints(gq.IQ3_S, np.uint8)),         # [512, 4]  1..15
+        ("IQ1S", iq1s),                                    # [2048, 8] -1, 0, 1
+        ("KSIGNS", np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()),      # [128]
+        ("KV_IQ4NL", np.array(gq.IQ4_NL.kvalues, np.int8)),                 # [16]
+        ("KV_MXFP4", np.array(gq.MXFP4.kvalues, np.int8)),
+        ("KV_NVFP4", np.array(gq.NVFP4.kvalues, np.int8)),
+        ("IQ1S_DELTA", np.array([gq.IQ1_S.delta], np.float32)),
+        ("IQ1M_DELTA", np.array([gq.IQ1_M.delta], np.float32)),
+    )
+
+
+def grids() -> dict[str, np.ndarray]:
+    """Every lookup table the kernels use, built from gguf.quants: name -> array (copies).
+
+    IQ grids are the gguf grids as exact small integers (uint8, or int8 for IQ1), ``KSIGNS`` is
+    ``IQ2_XXS.ksigns``, ``KV_*`` the int8 kvalues, ``IQ1*_DELTA`` gguf's float32 deltas.
+    """
+    return {name: arr.copy() for name, arr in _grids()}
+
+
+@functools.cache
+def _blob() -> tuple[np.ndarray, tuple[tuple[str, int], ...]]:
+    parts, offsets, at = [], [], 0
+    for name, arr in _grids():
+        raw = np.ascontiguousarray(arr).view(np.uint8).ravel()
+        offsets.append((name, at))
+        parts.append(raw)
+        pad = -(at + raw.size) % 16
+        parts.append(np.zeros(pad, np.uint8))
+        at += raw.size + pad
+    blob = np.concatenate(parts)
+    blob.setflags(write=False)
+    return blob, tuple(offsets)
+
+
+def table_blob() -> np.ndarray:
+    """All tables in one read-only uint8 array (each at a 16-byte aligned offset), as the kernels read them."""
+    return _blob()[0]
+
+
+def defines() -> dict[str, int]:
+    """The C preprocessor defines the sources need: GG_OFF_<NAME> = byte offset of each table in table_blob()."""
+    return {f"GG_OFF_{name}": off for name, off in _blob()[1]}
+
+
+def _read_source(name: str) -> str:
+    from .kernel_sources import source
+    return source(name)
+
+
+@functools.cache
+def source() -> str:
+    """The complete NVRTC translation unit: defines, dequant.cuh, then gather.cu."""
+    head = "".join(f"#define {k} {v}\n" for k, v in defines().items())
+    body = "".join(_read_source(n).replace("#pragma once\n", "") + "\n" for n in KERNEL_SOURCES)
+    return head + body
+
+
+# ---- names -----------------------------------------------------------------------------------------------------
+def _index_name(index_dtype) -> str:
+    name = str(index_dtype).replace("torch.", "")
+    if name not in INDEX_CTYPES:
+        try:
+            name = np.dtype(index_dtype).name
+        except TypeError:
+            pass
+    return name
+
+
+def kernel_name(qtype, dtype="float32", index_dtype="int64") -> str:
+    """The C++ name expression of one kernel instance, e.g. 'gg_gather<20, 1, long long>'."""
+    qt = quants.check_supported(qtype)
+    idx = _index_name(index_dtype)
+    if idx not in INDEX_CTYPES:
+        raise TypeError(f"inverse indices must be int32 or int64, got {index_dtype!r}")
+    return f"gg_gather<{int(qt)}, {OUT_DTYPES[arrays.dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
+
+
+def kernel_names(qtype) -> tuple[str, ...]:
+    """Every kernel instance of one type (3 output dtypes x 2 index types)."""
+    return tuple(kernel_name(qtype, d, i) for i in INDEX_CTYPES for d in OUT_DTYPES)
+
+
+# ---- GPU: compile, tables, launch ----------------------------------------------------------------------------------
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:
+        raise BackendError("the GPU gather needs cupy (pip install 'gds-gather[cuda13]' or '[cuda12]')") from e
+    return cupy
+
+
+@functools.cache
+def module(qtype):
+    """The cached cupy.RawModule holding the kernels of one type (compiled by NVRTC on first use, per device).
+
+    One module per type keeps a process from compiling the 25 types it never gathers; CuPy also caches the
+    binary on disk, so a later process only loads it.
+    """
+    cp = _cupy()
+    qt = quants.check_supported(qtype)
+    hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
+    return cp.RawModule(code=source(), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS,
+                        name_expressions=kernel_names(qt))
+
+
+@functools.cache
+def _kernel(qt_id: int, dtype: str, index_dtype: str):
+    return module(Q(qt_id)).get_function(kernel_name(qt_id, dtype, index_dtype))
+
+
+_dev_lock = threading.Lock()
+_dev_tables: dict[int, object] = {}
+_dev_sms: dict[int, int] = {}
+
+
+def _device_state(device_id: int):
+    """(table blob on the device, SM count), made once per device (the one-time upload is synchronous)."""
+    with _dev_lock:
+        tab = _dev_tables.get(device_id)
+        if tab is None:
+            cp = _cupy()
+            with cp.cuda.Device(device_id):
+                tab = cp.asarray(table_blob())
+                cp.cuda.get_current_stream().synchronize()
+                _dev_sms[device_id] = int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+            _dev_tables[device_id] = tab
+        return tab, _dev_sms[device_id]
+
+
+def warmup(qtypes, dtypes=("float32", "float16", "bfloat16"), index_dtypes=("int32", "int64"), device=None):
+    """Compile and load the kernels of `qtypes` and upload the tables, ahead of timing or of CUDA-graph capture.
+
+    gather_rows does all of this lazily on first use; inside a stream capture it must already be done.
+    """
+    cp = _cupy()
+    dev = cp.cuda.Device().id if device is None else int(device)
+    if isinstance(qtypes, (str, int, Q)):
+        qtypes = (qtypes,)
+    with cp.cuda.Device(dev):
+        _device_state(dev)
+        for qt in qtypes:
+            q = quants.check_supported(qt)
+            for d in dtypes:
+                for i in index_dtypes:
+                    _kernel(int(q), arrays.dtype_name(d), _index_name(i)).kernel   # forces compile + module load
+
+
+def _kind(x, what: str) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod == "torch":
+        if x.device.type != "cuda":
+            raise TypeError(f"{what} must be on a CUDA device, got a torch tensor on {x.device}")
+        return "torch"
+    raise TypeError(f"{what} must be a cupy array or a torch CUDA tensor, got {type(x).__name__}")
+
+
+def _describe(x, what: str, host: bool = False):
+    """(kind, data pointer, dtype name, shape, device id) of a cupy array / torch CUDA tensor; contiguous only.
+    host=True: of HostAccel's arrays instead (numpy / accel.HostArray / torch CPU tensors; device -1)."""
+    if host:
+        k = arrays.kind(x)
+        if k == "torch":
+            if not x.is_contiguous():
+                raise ValueError(f"{what} must be contiguous")
+            return "torch", int(x.data_ptr()), str(x.dtype).replace("torch.", ""), tuple(x.shape), -1
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{what} must be a host array or a torch CPU tensor (HostAccel), got {type(x).__name__}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous")
+        return "numpy", int(x.ctypes.data), x.dtype.name, tuple(x.shape), -1
+    kind = _kind(x, what)
+    if kind == "cupy":
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous")
+        return kind, int(x.data.ptr), x.dtype.name, tuple(x.shape), int(x.device.id)
+    if not x.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+    return kind, int(x.data_ptr()), str(x.dtype).replace("torch.", ""), tuple(x.shape), int(x.device.index or 0)
+
+
+def _stream_handle(stream, kind: str, device_id: int) -> int:
+    if stream is None:
+        if kind == "torch":
+            import torch
+            return int(torch.cuda.current_stream(device_id).cuda_stream)
+        return int(_cupy().cuda.get_current_stream().ptr)
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    for attr in ("cuda_stream", "ptr"):     # torch.cuda.Stream / cupy.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    raise TypeError(f"stream must be a torch or cupy stream, a raw handle (int) or None, got {stream!r}")
+
+
+def _geometry(qtype, row_elems: int, layout: str, n_layer):
+    qt = quants.check_supported(qtype)
+    row_elems = int(row_elems)
+    rb = quants.row_bytes(qt, row_elems)                 # raises RowWidthError
+    if row_elems >= 2**28:
+        raise RowWidthError(f"row_elems={row_elems} is beyond what the kernels index (2^28)")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "flat":
+        return qt, rb, row_elems
+    if n_layer is None or int(n_layer) <= 0 or row_elems % int(n_layer):
+        raise RowWidthError(f"per_layer layout needs n_layer > 0 dividing row_elems={row_elems}, got {n_layer!r}")
+    return qt, rb, row_elems // int(n_layer)
+
+
+def _out_shape(inv_shape: tuple, n: int, row_elems: int, seg: int, layout: str) -> tuple:
+    if layout == "flat":
+        return tuple(inv_shape) + (row_elems,)
+    return (row_elems // seg, n, seg)
+
+
+def output_shape(inv_shape: tuple, qtype, row_elems: int, layout: str = "flat", n_layer=None) -> tuple:
+    """The shape gather_rows gives for ids of `inv_shape` (flat: inv_shape + (row_elems,); per_layer:
+    (n_layer, N, row_elems // n_layer))."""
+    _, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    return _out_shape(tuple(inv_shape), math.prod(inv_shape), int(row_elems), seg, layout)
+
+
+def launch_config(n_rows: int, row_elems: int, n_sm: int) -> tuple[int, int]:
+    """(grid size, rows per CTA) of one gather.
+
+    About ITEMS_PER_CTA 8-element items per CTA, fewer when that would leave resident CTA slots empty; among
+    nearby row counts, the one whose items fill the CTA's 256 threads best (the last loop round of a CTA runs
+    partly idle otherwise: 1344 items of a gemma row are 5.25 rounds).
+    """
+    items = -(-row_elems // ITEM)
+    total = n_rows * items
+    min_ctas = 8 * max(1, n_sm)                          # 8 resident CTAs of 256 threads fill an SM
+    large = total >= ITEMS_PER_CTA * min_ctas
+    per_cta = ITEMS_PER_CTA if large else max(BLOCK, total // min_ctas)
+    cap = max(1, (2**31 - 1) // items)
+    target = min(max(1, per_cta // items), cap)
+    best, best_fill = target, 0.0
+    for rpc in range(max(1, target // 2), min(cap, 2 * target if large else target) + 1):
+        work = rpc * items
+        fill = work / (-(-work // BLOCK) * BLOCK)
+        if fill > best_fill + 1e-12 or (abs(fill - best_fill) <= 1e-12 and abs(rpc - target) < abs(best - target)):
+            best, best_fill = rpc, fill
+    return -(-n_rows // best), best
+
+
+def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dtype="float32", scale=None,
+                layout="flat", n_layer=None, stream=None):
+    """Dequantize and scatter rows on the GPU: ``out[i] = dequant(row inverse[i]) * scale``.
+
+    Parameters
+    ----------
+    staging : cupy array or torch CUDA tensor, uint8, contiguous
+        Bytes holding the unique quantized rows. Compact layout: unique row u at ``u * row_bytes``.
+        O_DIRECT window layout: anywhere (``plan.row_staging``); no alignment is required.
+    row_offsets : int64 array [U], same kind of device memory
+        Byte offset of each unique row in `staging` (``arange(U) * row_bytes`` or ``plan.row_staging``).
+    inverse : int32 or int64 array, any shape (N elements)
+        Output row i takes unique row ``inverse.ravel()[i]`` (the planner's ``plan.inverse``).
+    qtype : GGML type (enum, name or id)
+        Every type ``gds_gather.formats.quants.supported_types()`` lists.
+    row_elems : int
+        Elements per row; a positive multiple of the type's block size.
+    out : array, optional
+        Preallocated contiguous output of the right shape and dtype (bfloat16 in cupy: uint16 bits).
+    dtype : 'float32', 'float16' or 'bfloat16' (numpy / torch dtypes accepted)
+    scale : float, optional
+        Multiplies every dequantized value in float32 before rounding to `dtype` (gemma: sqrt(256) = 16).
+    layout : 'flat' or 'per_layer'
+        flat: shape ``inverse.shape + (row_elems,)``. per_layer: ``[n_layer, N, row_elems // n_layer]`` with
+        ``out[l, i, j] = row_i[l * (row_elems // n_layer) + j]`` (gemma's [n_layer, n_tokens, 256]).
+    n_layer : int
+        Layers of the per_layer layout.
+    stream : torch.cuda.Stream, cupy.cuda.Stream, int handle, or None
+        Where the kernel runs. None: torch's current stream when `inverse` is a torch tensor, else cupy's.
+
+    Returns
+    -------
+    The output, of `inverse`'s kind: a torch tensor (torch.bfloat16 for bfloat16) for torch ids, else a cupy
+    array (uint16 holding bfloat16 bits, since cupy has no bfloat16).
+
+    Notes
+    -----
+    Asynchronous: the launch is queued on `stream` and nothing synchronizes. Inputs are read through their
+    device pointers (no copies); keep them alive, or stream-ordered, until the kernel has run. Offsets and
+    inverse values are not bounds-checked on the device: they must come from a plan for this staging buffer.
+    First use of a type compiles its module and uploads the tables (once per process and device); call
+    `warmup` before capturing a CUDA graph. Under ``torch.cuda.graph`` pass torch tensors (the output is then
+    allocated from the graph's pool) and the kernel is captured on the capturing stream. An output made here is
+    allocated on the kernel's stream (torch's caching allocator and cupy's pool then hand its memory to another
+    array only in that stream's order).
+    """
+    g = check_launch(staging, row_offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer)
+    cp = _cupy()
+    tab, n_sm = _device_state(g.dev)
+    handle = _stream_handle(stream, g.kind, g.dev)
+    with cp.cuda.Device(g.dev), arrays.cupy_stream(handle):
+        if out is None:
+            if g.kind == "torch":
+                out = _torch_empty(g.shape, g.name, inverse.device, handle)
+            else:
+                out = cp.empty(g.shape, dtype=np.uint16 if g.name == "bfloat16" else g.name)
+        out_ptr = check_out(out, g)
+        if g.n == 0:
+            return out
+        grid, rpc = launch_config(g.n, g.row_elems, n_sm)
+        fn = _kernel(int(g.qt), g.name, g.inv_dtype)
+        fn((grid,), (BLOCK,), (
+            np.uint64(g.st_ptr), np.uint64(g.off_ptr), np.uint64(g.inv_ptr), np.uint64(out_ptr), tab,
+            np.int64(g.n), np.int32(g.row_elems), np.int32(g.seg), np.int32(rpc),
+            np.float32(1.0 if scale is None else scale), np.int32(scale is not None)))
+    return out
+
+
+def _torch_empty(shape, name: str, device, handle: int):
+    """A torch tensor allocated on the stream `handle`: torch's current stream where it is that one (as under
+    graph capture, whose pool is tied to the capturing stream object), else a wrapper of the handle made current
+    for the allocation."""
+    import torch
+    dtype = getattr(torch, name)
+    if int(torch.cuda.current_stream(device).cuda_stream) == handle:
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.cuda.stream(arrays.torch_stream(handle, device)):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One gather's checked arguments (check_launch)."""
+    kind: str
+    st_ptr: int
+    off_ptr: int
+    inv_ptr: int
+    inv_dtype: str
+    dev: int
+    qt: Q
+    seg: int
+    row_elems: int
+    name: str
+    n: int
+    shape: tuple
+
+
+def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", layout="flat", n_layer=None,
+                 host: bool = False) -> Launch:
+    """The checks gather_rows makes on its arguments (kinds, dtypes, one device, the type and geometry), and what
+    the launch needs; host=True for HostAccel's arrays (accel.HostAccel.gather makes the same checks)."""
+    kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse", host)
+    if inv_dtype not in INDEX_CTYPES:
+        raise TypeError(f"inverse must be int32 or int64, got {inv_dtype}")
+    _, st_ptr, st_dtype, _, st_dev = _describe(staging, "staging", host)
+    _, off_ptr, off_dtype, off_shape, off_dev = _describe(row_offsets, "row_offsets", host)
+    if st_dtype not in ("uint8", "int8"):
+        raise TypeError(f"staging must hold bytes (uint8), got {st_dtype}")
+    if off_dtype != "int64" or len(off_shape) != 1:
+        raise TypeError(f"row_offsets must be a 1-D int64 array, got {off_dtype} {off_shape}")
+    if {st_dev, off_dev} != {dev}:
+        raise ValueError(f"staging, row_offsets and inverse must be on one device, got {st_dev}, {off_dev}, {dev}")
+    qt, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    n = math.prod(inv_shape)
+    return Launch(kind, st_ptr, off_ptr, inv_ptr, inv_dtype, dev, qt, seg, int(row_elems), arrays.dtype_name(dtype),
+                  n, _out_shape(inv_shape, n, int(row_elems), seg, layout))
+
+
+def check_out(out, g: Launch, host: bool = False) -> int:
+    """out's data pointer, once it is of the launch's dtype, shape and device (ValueError otherwise)."""
+    _, out_ptr, out_dtype, out_shape, out_dev = _describe(out, "out", host)
+    want = {"float32": ("float32",), "float16": ("float16",), "bfloat16": ("bfloat16", "uint16")}[g.name]
+    if out_dtype not in want or tuple(out_shape) != tuple(g.shape) or out_dev != g.dev:
+        raise ValueError(f"out must be {g.name} of shape {g.shape} on device {g.dev}, "
+                         f"got {out_dtype} {tuple(out_shape)} on {out_dev}")
+    return out_ptr
+
+
+# ---- host: the same source through a C++ compiler -------------------------------------------------------------
+def _host_compiler() -> list[str] | None:
+    for cxx in ("g++", "c++", "clang++"):
+        path = shutil.which(cxx)
+        if path:
+            return [path, "-x", "c++", *HOST_CXX_FLAGS]
+    nvcc = shutil.which("nvcc")
+    if nvcc:   # nvcc's host path: the .cu is compiled for the host (the kernels too, which is harmless)
+        return [nvcc, "-std=c++17", "-O2", "--fmad=false", "-Xcompiler", "-fPIC,-ffp-contract=off", "-shared",
+                "-x", "cu"]
+    return None
+
+
+def host_compiler_available() -> bool:
+    return _host_compiler() is not None
+
+
+_host_lock = threading.Lock()
+
+
+@functools.cache
+def host_library(soft_mul: bool = False) -> ctypes.CDLL:
+    """The host build of the kernels (kernels/host_check.cu), compiled once and cached by content hash.
+
+    soft_mul=True builds gg_mul the way HIP devices run it (hardware multiply only where every value is normal,
+    the integer IEEE multiply otherwise), so the ROCm path is checked bit for bit here too.
+    """
+    cmd = _host_compiler()
+    if cmd is None:
+        raise BackendError("building the host check of the CUDA kernels needs a C++ compiler (g++, clang++) or nvcc")
+    files = {n: _read_source(n) for n in (*KERNEL_SOURCES, HOST_SOURCE)}
+    flags = [f"-D{k}={v}" for k, v in defines().items()] + (["-DGG_SOFT_MUL=1"] if soft_mul else [])
+    key = hashlib.sha256(repr((cmd, flags, sorted(files.items()))).encode()).hexdigest()[:20]
+    cache = Path(tempfile.gettempdir()) / f"gds_gather-{os.getuid() if hasattr(os, 'getuid') else 'u'}"
+    lib = cache / f"gg_host_{key}.so"
+    with _host_lock:
+        if not lib.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                for n, text in files.items():
+                    Path(tmp, n).write_text(text, encoding="utf-8")
+                built = Path(tmp, "lib.so")
+                res = subprocess.run([*cmd, *flags, "-o", str(built), str(Path(tmp, HOST_SOURCE))],
+                                     capture_output=True, text=True, cwd=tmp)
+                if res.returncode:
+                    raise BackendError(f"host build of the kernels failed ({' '.join(cmd[:1])}):\n{res.stderr[-4000:]}")
+                os.replace(built, lib)               # atomic: concurrent builders each publish a whole file
+    dll = ctypes.CDLL(str(lib))
+    c_p, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    dll.gg_geometry.argtypes = [i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
+    dll.gg_host_dequant.argtypes = [i32, c_p, i64, c_p, c_p]
+    dll.gg_host_gather.argtypes = [i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32, ctypes.c_float, i32]
+    for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather):
+        f.restype = i32
+    dll.gg_host_mul.argtypes = [c_p, c_p, c_p, i64]
+    dll.gg_host_mul.restype = None
+    return dll
+
+
+def host_mul(a: np.ndarray, b: np.ndarray, soft_mul: bool = False) -> np.ndarray:
+    """The kernels' gg_mul over float32 arrays, run on the host (soft_mul: as HIP devices compute it)."""
+    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} and {b.shape}")
+    out = np.empty_like(a)
+    host_library(soft_mul).gg_host_mul(_ptr(a), _ptr(b), _ptr(out), a.size)
+    return out
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def host_geometry(qtype) -> tuple[int, int]:
+    """(elements, bytes) per block as the CUDA source defines them (tests compare with gguf)."""
+    qk, ts = ctypes.c_int(), ctypes.c_int()
+    if host_library().gg_geometry(int(quants.qtype_of(qtype)), ctypes.byref(qk), ctypes.byref(ts)):
+        raise UnsupportedTypeError(f"{quants.qtype_of(qtype).name} is not in the CUDA source")
+    return qk.value, ts.value
+
+
+def host_dequantize(blocks: np.ndarray, qtype, soft_mul: bool = False) -> np.ndarray:
+    """The CUDA block dequantizers run on the host: uint8 [..., k * type_size] -> float32 [..., k * block_size].
+
+    Same shape convention as gguf.quants.dequantize, and (by construction and test) the same bits.
+    """
+    qt = quants.check_supported(qtype)
+    block, size = GGML_QUANT_SIZES[qt]
+    raw = np.ascontiguousarray(blocks)
+    if raw.dtype != np.uint8:
+        raise TypeError(f"host_dequantize takes uint8 blocks, got {raw.dtype}")
+    if raw.ndim == 0 or raw.shape[-1] % size:
+        raise RowWidthError(f"{qt.name}: last dimension ({raw.shape}) is not a multiple of {size} bytes")
+    n_blocks = raw.size // size
+    out = np.empty(raw.shape[:-1] + (raw.shape[-1] // size * block,), np.float32)
+    if n_blocks:
+        rc = host_library(soft_mul).gg_host_dequant(int(qt), _ptr(raw), n_blocks, _ptr(table_blob()), _ptr(out))
+        if rc:
+            raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
+    return out
+
+
+def _check_host_args(staging, row_offsets, inverse, rb: int):
+    staging = np.ascontiguousarray(staging)
+    offs = np.ascontiguousarray(row_offsets)
+    inv = np.ascontiguousarray(inverse)
+    if staging.dtype != np.uint8:
+        raise TypeError(f"staging must be uint8, got {staging.dtype}")
+    if offs.dtype != np.int64 or offs.ndim != 1:
+        raise TypeError(f"row_offsets must be a 1-D int64 array, got {offs.dtype} {offs.shape}")
+    if inv.dtype.name not in INDEX_CTYPES:
+        raise TypeError(f"inverse must be int32 or int64, got {inv.dtype}")
+    if offs.size and (offs.min() < 0 or offs.max() + rb > staging.size):
+        raise IndexError(f"row_offsets reach outside the {staging.size}-byte staging buffer")
+    if inv.size and (inv.min() < 0 or inv.max() >= offs.size):
+        raise IndexError(f"inverse values must lie in [0, {offs.size})")
+    return staging, offs, inv
+
+
+def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None, layout="flat",
+                n_layer=None, soft_mul: bool = False) -> np.ndarray:
+    """gather_rows' kernel body run on the host over numpy arrays (bounds-checked), for tests and debugging.
+
+    Returns float32 / float16 numpy arrays, or uint16 holding bfloat16 bits.
+    """
+    qt, rb, seg = _geometry(qtype, row_elems, layout, n_layer)
+    row_elems = int(row_elems)
+    staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
+    name = arrays.dtype_name(dtype)
+    n = inv.size
+    out = np.empty(_out_shape(inv.shape, n, row_elems, seg, layout),
+                   {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[name])
+    if n:
+        rc = host_library(soft_mul).gg_host_gather(
+            int(qt), OUT_DTYPES[name], int(inv.dtype == np.int64), _ptr(staging), _ptr(offs), _ptr(inv), _ptr(out),
+            _ptr(table_blob()), n, row_elems, seg, 1.0 if scale is None else float(np.float32(scale)),
+            int(scale is not None))
+        if rc:
+            raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
+    return out
+
+
+# ---- the numpy oracle ---------------------------------------------------------------------------------------------
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even: gguf's BF16 quantizer (= torch .to(bfloat16))."""
+    x = np.ascontiguousarray(x, np.float32)
+    return gq.quantize(x, Q.BF16).view(np.uint16).reshape(x.shape)
+
+
+def reference_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None,
+                     layout="flat", n_layer=None) -> np.ndarray:
+    """What gather_rows must produce, from gguf.quants.dequantize and numpy (numpy arrays in, numpy out)."""
+    qt, rb, seg = _geometry(qtype, row_elems, layout, n_layer)
+    row_elems = int(row_elems)
+    staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
+    rows = staging[offs[:, None] + np.arange(rb)] if offs.size else np.zeros((0, rb), np.uint8)
+    f32 = quants.dequantize_rows(rows, qt, row_elems)
+    if scale is not None:
+        f32 = f32 * np.float32(scale)
+    f32 = f32[inv.ravel()]
+    name = arrays.dtype_name(dtype)
+    if name == "float16":
+        with np.errstate(over="ignore"):
+            res = f32.astype(np.float16)
+    elif name == "bfloat16":
+        res = bf16_bits(f32)
+    else:
+        res = f32
+    if layout == "flat":
+        return res.reshape(inv.shape + (row_elems,))
+    return np.ascontiguousarray(res.reshape(inv.size, row_elems // seg, seg).transpose(1, 0, 2))
