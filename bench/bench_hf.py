@@ -13,7 +13,6 @@ whose row is cached, and greedy generation offloaded vs resident, interleaved ro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -123,23 +122,11 @@ def _ple_step_us(module, ids, n: int = 2000) -> float:
     return statistics.median(times) / 1e3
 
 
-@contextlib.contextmanager
-def _per_call(module, calls: list):
-    """Append the wall time of each forward of `module` (seconds) to calls."""
-    start = []
-    handles = [module.register_forward_pre_hook(lambda *_: start.append(time.perf_counter())),
-               module.register_forward_hook(lambda *_: calls.append(time.perf_counter() - start.pop()))]
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: str = "auto") -> dict:
     """The PLE module's cost per decode step, and greedy generate ms/token, offloaded vs resident (interleaved)."""
     import torch
     import transformers
+    from gds_gather.benches.hf_ab import forward_times, generate_once
     from gds_gather.integrations.transformers import from_pretrained
     dt = dtype if dtype == "auto" else getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
@@ -162,14 +149,10 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
     for i in range(rounds + 1):
         for name, m in (("resident", ref), ("offloaded", off)) if i % 2 == 0 else (("offloaded", off),
                                                                                    ("resident", ref)):
-            calls, fwd = [], []
-            with _per_call(m.get_per_layer_input_embeddings(), calls), _per_call(m, fwd):
-                a = time.perf_counter()
-                with torch.inference_mode():
-                    outs[name] = m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-                b = time.perf_counter()
+            with forward_times(m.get_per_layer_input_embeddings()) as calls, forward_times(m) as fwd:
+                per_token, outs[name] = generate_once(m, ids, new)
             if i:                                   # round 0 is the warm-up
-                ms[name].append((b - a) * 1e3 / new)
+                ms[name].append(per_token * 1e3)
                 ple[name].append(statistics.median(calls[1:]) * 1e3)      # the decode steps (calls[0]: prompt)
                 ple_prompt[name].append(calls[0] * 1e3)
                 steps[name].extend(x * 1e3 for x in fwd[1:])

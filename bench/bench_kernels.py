@@ -29,6 +29,8 @@ from gguf import GGML_QUANT_SIZES
 
 from gds_gather.gpu import arrays
 from gds_gather.gpu import dequant as dg
+from gds_gather.gpu import host_kernels as hk
+from gds_gather.gpu import nvrtc
 from gds_gather.formats import quants
 
 TARGET_RATIO = 0.70
@@ -104,7 +106,7 @@ def check_rows(cp, out, pool, perm_head, qt, width, dtype, scale=None, layout="f
     """Output rows 0..k-1 against gguf on the host (staged row r is pool row r % len(pool))."""
     k = len(perm_head)
     src = pool[np.asarray(perm_head) % len(pool)]
-    ref = dg.reference_gather(src.reshape(-1), np.arange(k, dtype=np.int64) * src.shape[1], np.arange(k),
+    ref = hk.reference_gather(src.reshape(-1), np.arange(k, dtype=np.int64) * src.shape[1], np.arange(k),
                               qt, width, dtype=dtype, scale=scale, layout=layout, n_layer=n_layer)
     got = cp.asnumpy(out[:k] if layout == "flat" else out[:, :k])
     return bool(np.array_equal(np.ascontiguousarray(got).view(np.uint8), ref.view(np.uint8)))
@@ -208,7 +210,7 @@ def main(argv=None) -> dict:
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     res: dict = {"device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
                  "sms": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__, "gb": a.gb,
-                 "repeat": a.repeat, "nvrtc_options": list(dg.NVRTC_OPTIONS)}
+                 "repeat": a.repeat, "nvrtc_options": list(nvrtc.NVRTC_OPTIONS)}
     t0 = time.perf_counter()
     dg.warmup(types[0], dtypes=dtypes, index_dtypes=("int32",))
     res["first_compile_s"] = time.perf_counter() - t0

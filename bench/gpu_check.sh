@@ -20,7 +20,7 @@
 #   imports      25  every module the run needs (cupy: where an NVIDIA driver answers); what is missing is printed
 #   facts        15  python, where each module comes from, platform detection, backends
 #   compile      70  once, so that compile errors show here and later steps find the results cached: the host build
-#                    of kernels/host_check.cu (g++; dequant_gpu.host_library, cached under $TMPDIR), the native
+#                    of kernels/host_check.cu (g++; host_kernels.host_library, cached under $TMPDIR), the native
 #                    helpers (native.build into $XDG_CACHE_HOME/gds-gather), and with a GPU every NVRTC module:
 #                    dequant_gpu's one module per supported type (all kernels of each; GPU_CHECK_COMPILE_THREADS
 #                    at a time, default 4; a type that fails is compiled again alone before it counts as an error)
@@ -218,11 +218,11 @@ def part(name, fn):
 
 
 def host_build():
-    from gds_gather.gpu import dequant as dg
-    if not dg.host_compiler_available():
+    from gds_gather.gpu import host_kernels as hk
+    if not hk.host_compiler_available():
         return "skipped: no host C++ compiler", "g++, c++, clang++ and nvcc not found"
-    lib = dg.host_library()
-    return "ok", f"{' '.join(dg._host_compiler()[:1])} -> {lib._name}"
+    lib = hk.host_library()
+    return "ok", f"{hk.host_compiler()[0]} -> {lib._name}"
 
 
 def native_helpers():

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from .config import Config
 from .errors import BackendError
 from .platform import Platform, detect
-from .io.readers import HOST_READERS
+from .io.direct import HOST_READERS
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +83,21 @@ def backends(config: Config | None = None) -> list[Backend]:
     return out
 
 
+def _requested(backend: str, cfg: Config) -> tuple[str, str]:
+    """(name, source) of the backend asked for: `backend` lower-cased with source BY_NAME, except that "auto" (or
+    none) defers to Config.backend (GDS_GATHER_BACKEND) where that names one, with source BY_CONFIG."""
+    name = (backend or "auto").lower()
+    if name == "auto" and cfg.backend != "auto":
+        return cfg.backend, BY_CONFIG
+    return name, BY_NAME
+
+
 def resolve(backend: str, config: Config | None = None) -> tuple[str, str]:
     """(backend name, why) for a backend or 'auto'. why says where the choice came from: BY_NAME for a backend
     given by name (a user's request or a caller handing on its own choice: only the caller knows which), BY_CONFIG
     for 'auto' where Config.backend names one, else auto's choice and its reason."""
     cfg = config or Config.from_env()
-    name = (backend or "auto").lower()
-    if name == "auto" and cfg.backend != "auto":
-        name, forced = cfg.backend, BY_CONFIG
-    else:
-        forced = BY_NAME
+    name, forced = _requested(backend, cfg)
     if name == "auto":      # a host read: no device probe (torch, cupy, kvikio stay unimported)
         return "direct", f"the host default: O_DIRECT reads into host memory ({_direct_how()})"
     if name in HOST_READERS:
@@ -134,10 +139,7 @@ def resolve_device(backend: str, config: Config | None = None, window_bytes: int
     if plat.kind == "cpu":
         raise BackendError(f"GPU ids, but no usable GPU here: {plat.reason}")
     host_mode = "zero-copy" if plat.kind == "unified" else "copy"
-    name = (backend or "auto").lower()
-    source = BY_NAME
-    if name == "auto" and cfg.backend != "auto":
-        name, source = cfg.backend, BY_CONFIG
+    name, source = _requested(backend, cfg)
     if name == "gds":
         if plat.kind == "rocm":
             raise BackendError("backend 'gds' is not available on ROCm: KvikIO/cuFile is CUDA-only")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -10,11 +11,10 @@ from . import __version__
 from .backends import backends, resolve
 from .config import Config
 from .errors import GatherError
-from .io.measure import fit, human_bytes
+from .prefill.run import MAX_UBATCH
+from .units import fit, human_bytes, int_in, parse_size
 from .platform import detect
 
-
-MAX_UBATCH = 1 << 16      # tokens per ubatch: staging for 65,536 tokens of gemma rows is already ~480 MB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,21 +22,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def int_in(lo: int, hi: int):
-    """An argparse type: an integer in lo..hi; argparse's message then names the flag and the bounds (0 is not a
-    way to ask for a default: where lo >= 1 it is refused like any other value out of range)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text, 0)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo:,}..{hi:,}, got {text}")
-        return v
-    parse.__name__ = "integer"
-    return parse
 
 
 def _check_input(path) -> None:
@@ -137,25 +122,10 @@ def _make_hf_model(args) -> int:
     return 0
 
 
-def _cache_size(text: str) -> int:
-    """--cache: bytes with an optional K/M/G/T suffix (powers of 1024), or auto (-1)."""
-    t = text.strip().upper().removesuffix("B")
-    if t == "AUTO":
-        return -1
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        n = int(float(t[:-1] if mult > 1 else t) * mult)
-    except (ValueError, OverflowError):     # OverflowError: inf
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256M, 0, auto)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"the cache size must be >= 0, got {text!r}")
-    return n
-
-
 def cmd_prefill(args, cfg: Config) -> int:
     _check_prefill_args(args, cfg)
     if args.hf:
-        from .integrations.transformers import cmd_prefill_hf
+        from .benches.hf_ab import cmd_prefill_hf
         return cmd_prefill_hf(args, cfg)
     if args.table or args.generate:
         raise GatherError(f"{'--table' if args.table else '--generate'} goes with --hf MODEL_DIR (a transformers "
@@ -246,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU dequant output and trunk dtype (default bfloat16); --hf: the model's (default: the "
                    "checkpoint's)")
     s.add_argument("--json", action="store_true", help="print one JSON line on stdout (the human lines go to stderr)")
-    s.add_argument("--cache", type=_cache_size, default=None, metavar="BYTES",
+    s.add_argument("--cache", type=functools.partial(parse_size, allow_auto=True), default=None, metavar="BYTES",
                    help="row cache budget: bytes (K/M/G suffixes), 0 = off, auto = 10%% of the table up to 256 MiB "
                         "(default: GDS_GATHER_CACHE_BYTES, else auto)")
     s.set_defaults(func=cmd_prefill)

@@ -1,4 +1,5 @@
 """The one exception hierarchy: every error gds_gather raises on bad input derives from GatherError."""
+import argparse
 
 
 class GatherError(Exception):
@@ -91,3 +92,16 @@ class StreamOrderError(BackendError):
 
 class TableClosedError(GatherError, ValueError):
     """A table used after close(): a model whose per-layer embedding it served cannot run any more."""
+
+
+class SizeError(GatherError, argparse.ArgumentTypeError, ValueError):
+    """A size text refused (units.parse_size): one line. An argparse type's error (argparse prints it after the flag's
+    name) and a ValueError for every other caller."""
+
+
+class CompileError(BackendError):
+    """The compiler refused a run-time build (io/cbuild.py); `output` is what it printed (stderr)."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output

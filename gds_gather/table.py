@@ -10,20 +10,20 @@ from pathlib import Path
 
 import numpy as np
 
-from .gpu import accel as accel_mod
 from .gpu import arrays
-from .gpu import destinations
+from .gpu.device_path import DevicePath
 from .io import forksafe
 from .formats import quants
 from .cache import rowcache
-from .backends import choose_device, resolve
+from .backends import resolve
 from .config import Config
-from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelNotFoundError, StagingCapacityError,
-                     TableClosedError, TruncatedFileError, UnsupportedTypeError)
+from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelNotFoundError, TableClosedError,
+                     TruncatedFileError, UnsupportedTypeError)
 from .formats.gguf_file import field_value, find_tensor
-from .planner import ReadPlan, plan_rows, realign
+from .planner import ReadPlan, plan_rows
 from .cache.prefetch import Prefetcher
-from .io.readers import GDS_ALIGN, HOST_READERS, Reader, Region, default_align
+from .io.direct import HOST_READERS
+from .io.readers import GDS_ALIGN, Reader, Region, default_align
 from .io.storage import filesystem
 
 log = logging.getLogger(__name__)
@@ -70,20 +70,20 @@ def _locked(method):
     return locked
 
 
-def _release(readers: dict, dests: dict, ahead: dict, last: list) -> None:
+def _release(readers: dict, device: DevicePath, ahead: dict) -> None:
     """Close what a Table opened (Table.close, or the finalizer of a Table that was never closed): the prefetches
     (each waits for its reads), the device destinations (once the stream of the last device fetch is done with
-    their staging), then the readers (unpin, unmap); every close is tried, then the first error is raised."""
+    their staging: DevicePath.closes), then the readers (unpin, unmap); every close is tried, then the first error
+    is raised."""
     first = None
-    closes = [r.close for r in ahead.values()] + [lw.wait for lw in last]
-    closes += [functools.partial(d.close, False) for d in dests.values()] + [r.close for r in readers.values()]
+    closes = [r.close for r in ahead.values()] + device.closes() + [r.close for r in readers.values()]
     for close in closes:
         try:
             close()
         except BaseException as e:      # noqa: B036 (a KeyboardInterrupt too: the other closes still run)
             first = first or e
     ahead.clear()
-    dests.clear()
+    device.dests.clear()
     readers.clear()
     if first is not None:
         raise first
@@ -124,18 +124,14 @@ class Table:
         self.align = default_align(self.config, self.path, self.row_bytes)   # O_DIRECT windows (readers.MIN_ALIGN)
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
-        self._dests: dict = {}          # (backend, mode) -> its device destination (destinations.py), on first use
         self._ahead: dict[str, Prefetcher] = {}     # backend -> its prefetches (prefetch())
-        self._gds_verdict = None        # (gds faster?, detail), measured once where real GDS exists
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self, "_lock")       # ... and to use in a forked child
         self.io = dict.fromkeys(rowcache.IO_COUNTERS, 0)   # where rows came from (counters; see stats())
-        self._accel = None                  # the device of the GPU path (Config.accel), made on first GPU use
-        self._last: list = []               # [destinations.LastStream] of the device fetches, once there was one
-        self._device_choices: dict = {}     # backend -> choose_device's answer (it probes kvikio and cuFile)
-        self._closed_bytes = 0              # bytes requested by device destinations closed since (rebuilt, timed)
-        self._fin = weakref.finalize(self, _release, self._readers, self._dests, self._ahead, self._last)
+        # the GPU path (destinations, their streams, the gds choice), holding a proxy: the finalizer holds it
+        self.device_path = DevicePath(weakref.proxy(self))
+        self._fin = weakref.finalize(self, _release, self._readers, self.device_path, self._ahead)
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property
@@ -198,12 +194,6 @@ class Table:
             return 0
         return ahead.note(np.ascontiguousarray(ids.ravel(), np.int64))
 
-    def _through(self, reader, rows: np.ndarray, read) -> np.ndarray:
-        """read(also) of the sorted unique `rows`, around which this backend's prefetches run (Prefetcher.around);
-        read(None) where there are none."""
-        ahead = self._ahead.get(reader.name)
-        return read(None) if ahead is None else ahead.around(rows, read)
-
     def _reader(self, backend: str) -> Reader:
         if self.closed:
             raise TableClosedError(f"table {self.path} is closed")
@@ -217,12 +207,11 @@ class Table:
             log.info("%s: %s runs as: %s", self.path.name, name, r.how)
         return r
 
+    # -- the device path (gpu/device_path.py) ---------------------------------------------------------------
     @property
     def accel(self):
         """The device of this table's GPU path (accel.get(config.accel)), made on first use."""
-        if self._accel is None:
-            self._accel = accel_mod.get(self.config.accel)
-        return self._accel
+        return self.device_path.accel
 
     @_locked
     def fetch_device(self, plan: ReadPlan, backend: str = "auto", stream=None):
@@ -232,110 +221,16 @@ class Table:
         cache) for a kernel to read in place; they are valid until the next fetch on this table, which first
         waits for `stream`.
         """
-        name, mode, _ = self.device_choice(backend)
-        s = self._turn(stream)
-        self.accel.synchronize(s)       # the previous batch's consumers on this stream are done with the staging
-        return self._fetch_device(plan, name, mode, s)
-
-    def _fetch_device(self, plan: ReadPlan, name: str, mode: str, s):
-        """The plan through the (name, mode) destination's one slot, on the accel stream `s`, which the caller
-        made the staging's (_turn) and waited for."""
-        if mode == "gds":
-            plan = realign(plan, GDS_ALIGN, self.config)     # windows KvikIO reads with GDS: 4 KiB-aligned
-        dest = self._destination(name, mode, plan, s)
-        return _through_slot(dest, plan, s)
-
-    def _turn(self, stream):
-        """`stream` (as the accel's stream object) becomes the one that reads the staging: the last other stream
-        that read it is waited for first."""
-        a = self.accel
-        s = a.current(stream)
-        if not self._last:
-            self._last.append(destinations.LastStream(a))
-        last = self._last[0]
-        if last.key is not None and last.key != a.key(s):
-            last.wait()
-        last.used(stream, s)
-        return s
-
-    def _destination(self, name: str, mode: str, plan: ReadPlan, s):
-        """The (name, mode) destination, built (or rebuilt at least twice as large) where `plan` does not fit its
-        slot, its device buffers zeroed on `s`, the stream that uses them first (a later stream waits for the last
-        one: _turn); the streams that used the old one are done with it (its caller waited, or with host_ids the
-        caller did)."""
-        key = (name, mode)
-        d = self._dests.get(key)
-        if d is not None:
-            try:
-                d.check(plan, 0)
-                return d
-            except StagingCapacityError:
-                del self._dests[key]
-                self._closed_bytes += d.bytes_read
-                d.close(False)
-        a = self.accel
-        n = 1 << max(10, (2 * plan.n_unique - 1).bit_length())
-        need = max(plan.window_bytes, plan.n_unique * self.row_bytes, 1 << 19)
-        bound = 1 << (2 * need - 1).bit_length()
-        if d is not None:               # never smaller than the slot it replaces (no rebuild back and forth)
-            n, bound = max(n, 2 * d.N), max(bound, 2 * d.spec.bound)
-        # (a proxy: the finalizer holds the destinations, which must not keep the Table alive)
-        spec = destinations.Spec(weakref.proxy(self), a, name, n, bound, slots=1, stream=s)
-        d, _ = destinations.build(spec, mode, a.dev_id())
-        self._dests[key] = d
-        log.info("%s: GPU rows via %s -> %s (a slot of %d rows)", self.path.name, name, d.how, n)
-        return d
+        return self.device_path.fetch(plan, backend, stream)
 
     def device_choice(self, backend: str = "auto") -> tuple[str, str, str]:
         """(backend, destination mode, why) of rows that must end in GPU memory, asked once per backend (the one
-        gds-or-direct decision, backends.choose_device; the "resident" backend keeps the whole table in device
-        memory, as the prefill's: destinations.mode_for)."""
-        if backend not in self._device_choices:
-            name, mode, why = choose_device(self, backend, self.config, state=self.accel.gds_state)
-            self._device_choices[backend] = (name, destinations.mode_for(name, mode), why)
-        return self._device_choices[backend]
+        gds-or-direct decision, backends.choose_device)."""
+        return self.device_path.device_choice(backend)
 
     def gds_faster(self) -> tuple[bool, str]:
-        """Time gds against direct + pinned copy on 512 random rows of this table (best of 3 batches of rows of
-        their own), once (real GDS only), each through a destination of its own without a device cache."""
-        if self._gds_verdict is None:
-            import time
-            a = self.accel
-            rng = np.random.default_rng(0)
-            plans = [self.plan(rng.integers(0, self.n_rows, min(512, self.n_rows))) for _ in range(3)]
-
-            def timed(name: str, mode: str) -> float:
-                ps = [realign(p, GDS_ALIGN, self.config) if mode == "gds" else p for p in plans]
-                spec = destinations.Spec(weakref.proxy(self), a, name, max(p.n_unique for p in ps),
-                                         max(max(p.window_bytes for p in ps), 1), slots=1)
-                d, _ = destinations.build(spec, mode)
-                best = float("inf")
-                try:
-                    for p in ps:        # rows of their own each time: every repeat reads
-                        t0 = time.perf_counter()
-                        _through_slot(d, p, a.current(None))
-                        a.synchronize(None)
-                        best = min(best, time.perf_counter() - t0)
-                finally:
-                    self._closed_bytes += d.bytes_read
-                    d.close(False)
-                return best
-            tg, td = timed("gds", "gds"), timed("direct", "copy")
-            self._gds_verdict = (tg < td, f"512 rows: gds {tg * 1e3:.2f} ms, direct {td * 1e3:.2f} ms")
-        return self._gds_verdict
-
-    def _fetch_ids_device(self, ids, backend: str, stream, host_ids=None):
-        """(plan, device staging, device row offsets) for device ids, planned on the host. The ids are copied
-        down on `stream` and the host waits for that copy, so every earlier consumer of the staging on `stream` is
-        done: the destination need not wait again (one synchronization per gather). host_ids: the caller's copy of the
-        ids' values, made on `stream` after its earlier work (then the gather makes no synchronization here)."""
-        if arrays.kind(ids) == "host-device" and self.accel.name != "host":
-            raise BackendError("HostAccel ids on a table whose Config.accel is not 'host'")
-        name, mode, _ = self.device_choice(backend)
-        s = self._turn(stream)
-        host = self.accel.to_host(ids, stream) if host_ids is None else np.asarray(host_ids)
-        plan = self.plan(host, align=destinations.align_for(self, mode))
-        return (plan, *self._fetch_device(plan, name, mode, s))
+        """(gds faster than direct + pinned copy?, detail), timed once on 512 random rows (real GDS only)."""
+        return self.device_path.gds_faster()
 
     @property
     def typical_window(self) -> int:
@@ -345,7 +240,7 @@ class Table:
     def readers(self) -> tuple[list, list]:
         """(host readers, device destinations) this table has opened so far, in the order opened; each has .how
         and .bytes_read."""
-        return list(self._readers.values()), list(self._dests.values())
+        return list(self._readers.values()), self.device_path.destinations()
 
     def stats(self) -> dict:
         """Where this table's rows came from so far: rows_from_cache, rows_from_page_cache, rows_from_device,
@@ -354,8 +249,8 @@ class Table:
         cache hits: the sources add up to the rows read plus these), cache_hits,
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
         caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
-        st = rowcache.stats(self, [d.cache for d in self._dests.values() if d.cache is not None],
-                            sum(r.bytes_read for rs in self.readers() for r in rs) + self._closed_bytes)
+        st = rowcache.stats(self, self.device_path.caches(),
+                            sum(r.bytes_read for r in self._readers.values()) + self.device_path.bytes_read)
         for ahead in self._ahead.values():
             for k, v in ahead.counts().items():
                 st[k] += v
@@ -372,8 +267,13 @@ class Table:
                               f"offset {plan.data_offset}, up to row {int(plan.unique_rows[-1])}); this table has "
                               f"{self.n_rows} rows of {self.row_bytes} B at offset {self.data_offset}: use t.plan(ids)")
         reader = self._reader(backend)
-        return self._through(reader, plan.unique_rows, lambda also: rowcache.read_through(self, reader, plan,
-                                                                                          also=also))
+        ahead = self._ahead.get(reader.name)        # this backend's prefetches (prefetch.py), if any
+        if ahead is not None:
+            ahead.before(plan.unique_rows)
+        out = rowcache.read_through(self, reader, plan, ahead=ahead)
+        if ahead is not None:
+            ahead.after(plan.unique_rows)
+        return out
 
     @_locked
     def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
@@ -384,7 +284,13 @@ class Table:
                               or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
             raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
         reader = self._reader(backend)
-        return self._through(reader, rows, lambda also: rowcache.read_unique(self, reader, rows, also=also))
+        ahead = self._ahead.get(reader.name)
+        if ahead is not None:
+            ahead.before(rows)
+        out = rowcache.read_unique(self, reader, rows, ahead=ahead)
+        if ahead is not None:
+            ahead.after(rows)
+        return out
 
     @_locked
     def read_rows(self, ids, backend: str = "auto", *, stream=None):
@@ -393,10 +299,7 @@ class Table:
         numpy (or torch CPU) ids give host rows; cupy or torch CUDA ids give device rows of the same kind.
         """
         if arrays.is_device(ids):
-            stream = arrays.launch_stream(stream, ids)
-            plan, staging, offs = self._fetch_ids_device(ids, backend, stream)
-            out = self.accel.take_rows(staging, offs, plan.inverse, self.row_bytes, plan.shape, stream)
-            return arrays.like(out, ids)
+            return self.device_path.read_rows(ids, backend, stream)
         if arrays.kind(ids) == "torch":
             import torch
             return torch.from_numpy(self.read_rows(ids.numpy(), backend))
@@ -415,22 +318,14 @@ class Table:
         kind = arrays.kind(ids)
         name = arrays.dtype_name(dtype)
         if arrays.is_device(ids):
-            return self._gather_device(ids, backend, name, stream, host_ids)
+            with self._lock:        # the kernel is queued before another thread's fetch can overwrite the staging
+                return self.device_path.gather(ids, backend, name, stream, host_ids)
         if kind == "torch":
             out = self._gather_host(ids.numpy(), backend)
             import torch
             t = torch.from_numpy(out)
             return t if name == "float32" else t.to(getattr(torch, name))
         return _cast_numpy(self._gather_host(ids, backend), name)
-
-    @_locked                # the kernel is queued before another thread's fetch can overwrite the staging
-    def _gather_device(self, ids, backend: str, dtype: str, stream, host_ids=None):
-        """GPU flavour: rows read into GPU memory (see fetch_device), dequantized and scattered by the CUDA kernel
-        on `stream`. The plan is made on the host, so the ids are copied down once (one synchronization)."""
-        stream = arrays.launch_stream(stream, ids)      # one stream for the copies and the kernel
-        plan, staging, offs = self._fetch_ids_device(ids, backend, stream, host_ids)
-        inv = self.accel.ids_like(plan.inverse.reshape(plan.shape), ids, stream)
-        return self.accel.gather(staging, offs, inv, self.qtype, self.row_elems, dtype=dtype, stream=stream)
 
     def _gather_host(self, ids, backend: str) -> np.ndarray:
         return self.gather_plan(self.plan(ids), backend)
@@ -467,16 +362,3 @@ def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None)
     path or shard raises ModelNotFoundError (a GatherError and a FileNotFoundError) naming it."""
     return Table(path, tensor, config)
 
-
-def _through_slot(dest, plan: ReadPlan, s):
-    """One batch through a destination's slot 0 on stream s (queued): (staging, offset of each unique row). On an
-    error the destination's device cache is cleared: its index may hold rows the device never received."""
-    n = plan.n_unique
-    try:
-        dest.stage(plan, 0)
-        staging, offs = dest.inputs(0, n, s)
-        dest.after(0, s)
-    except BaseException:
-        dest.failed()
-        raise
-    return staging, offs[:n]

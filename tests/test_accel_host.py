@@ -1,5 +1,5 @@
-"""accel.HostAccel's primitives against independent oracles: the kernel against gguf's dequantizer
-(dequant_gpu.reference_gather), the copy kernels against numpy, and its streams' deferred order."""
+"""host.HostAccel's primitives against independent oracles: the kernel against gguf's dequantizer
+(host_kernels.reference_gather), the copy kernels against numpy, and its streams' deferred order."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as Q
 import gds_gather as gg
 from gds_gather.gpu import accel
 from gds_gather.gpu import dequant as dequant_gpu
-from gds_gather.gpu.accel import HostAccel, HostArray
+from gds_gather.gpu import host_kernels
+from gds_gather.gpu.host import HostAccel, HostArray, numpy_view
 from gds_gather.errors import BackendError, StreamOrderError
 
 torch = pytest.importorskip("torch")
@@ -28,15 +29,15 @@ def test_the_kernel_is_gguf_s_dequantizer_and_runs_only_when_its_stream_does(ggu
     offs = (np.arange(40, dtype=np.int64) * raw.shape[1]).view(HostArray)
     inv = np.random.default_rng(0).integers(0, 40, (6, 5)).astype(np.int32)
     kw = dict(layout=layout, n_layer=4, scale=16.0) if layout == "per_layer" else {}
-    want = dequant_gpu.reference_gather(raw.reshape(-1), offs.view(np.ndarray), inv, Q.Q4_K, 512, dtype=dtype,
-                                        **kw)
+    want = host_kernels.reference_gather(raw.reshape(-1), offs.view(np.ndarray), inv, Q.Q4_K, 512, dtype=dtype,
+                                         **kw)
     s = a.stream()
     for ids in (inv.view(HostArray), torch.from_numpy(inv)):
         out = a.gather(staging, offs if arrays_kind(ids) != "torch" else torch.from_numpy(offs.view(np.ndarray)),
                        ids, Q.Q4_K, 512, dtype=dtype, stream=s, **kw)
         assert not s.query()                       # queued, not run
         a.synchronize(s)
-        got = np.asarray(accel._np(out))
+        got = np.asarray(numpy_view(out))
         assert got.shape == want.shape == dequant_gpu.output_shape(inv.shape, Q.Q4_K, 512, layout, 4)
         assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
 

@@ -12,7 +12,7 @@ import pytest
 from gds_gather import benches
 from gds_gather.benches.gather import default_backends
 from gds_gather.benches.report import HOST_BACKENDS
-from gds_gather.benches.gather import stats_delta, table_stats
+from gds_gather.benches.gather_passes import stats_delta, table_stats
 from gds_gather.config import Config
 from gds_gather.model.synth import write_model
 
@@ -87,7 +87,7 @@ def test_row_cache_figures_of_odd_tables():
 def test_again_and_warm_take_samples_warm_in_sweeps_across_the_backends(tmp_path, monkeypatch):
     """--samples: the again passes in a row on the cold pass's Table, the warm passes in sweeps across the backends
     (each backend's warm passes between the others'), every pass a sample of the median."""
-    from gds_gather.benches import gather
+    from gds_gather.benches import gather_passes as gather
     seen, real = [], gather.gather_pass
 
     def spy(t, b, trace, stream=None):

@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from gds_gather import benches
-from gds_gather.io import measure
 from gds_gather.benches.report import HOST_BACKENDS
 
 

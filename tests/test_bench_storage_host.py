@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from gds_gather import benches
-from gds_gather.io import measure
 from gds_gather.io import uring
-from gds_gather.gpu.accel import HostAccel
+from gds_gather.gpu.host import HostAccel
 from gds_gather.benches import storage as st
 from gds_gather.errors import ReadError
 

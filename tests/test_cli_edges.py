@@ -18,7 +18,7 @@ def test_cache_sizes(text, want):
 
 @pytest.mark.parametrize("text, words", [("inf", "not a size: 'inf' (e.g. 256M, 0, auto)"),
                                          ("lots", "not a size: 'lots'"),
-                                         ("-5", "the cache size must be >= 0, got '-5'")])
+                                         ("-5", "argument --cache: a size must be >= 0, got '-5'")])
 def test_bad_cache_sizes(text, words, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["prefill", "--cache", text])

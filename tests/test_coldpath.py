@@ -2,6 +2,8 @@
 misses' reads are in flight, and hits evicted by another Table between the lookup and that copy read again."""
 from __future__ import annotations
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -9,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_gather as gg
-from gds_gather.io import readers
-from gds_gather.cache import rowcache
+from gds_gather.io import direct, readers
+from gds_gather.cache import index, rowcache
 from gds_gather.io import storage
 from gds_gather.io import uring
 from gds_gather.config import Config
@@ -78,17 +80,25 @@ def test_hits_are_copied_while_the_misses_are_read(monkeypatch, wide):
 
 
 def _flag_ring_reads(monkeypatch) -> list:
-    """[bool]: True while an io_uring read of this process is in flight (Ring.read wrapped)."""
-    in_read, real_read = [False], uring.Ring.read
+    """[bool]: True while an io_uring read of this process is in flight (Ring.reads wrapped)."""
+    in_read, real_reads = [False], uring.Ring.reads
 
-    def ring_read(self, *a, **kw):
+    def ring_reads(self, *a, **kw):
         in_read[0] = True
         try:
-            return real_read(self, *a, **kw)
+            yield from real_reads(self, *a, **kw)
         finally:
             in_read[0] = False
-    monkeypatch.setattr(uring.Ring, "read", ring_read)
+    monkeypatch.setattr(uring.Ring, "reads", ring_reads)
     return in_read
+
+
+def _parts(reader, plan, on_part) -> None:
+    """on_part(positions, rows) for each Part of reader.parts(plan), as the row cache's loop takes them."""
+    with closing(reader.parts(plan)) as steps:
+        for step in steps:
+            if step is not readers.IN_FLIGHT:
+                on_part(step.positions, step.rows)
 
 
 def _evict(cache, victims: np.ndarray, rows: np.ndarray, raw: np.ndarray) -> None:
@@ -128,7 +138,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
         return real_copy(cache, slots, unique_rows, out)
     try:
         monkeypatch.setattr(rowcache.RowCache, "copy_hits", copy_hits)
-        monkeypatch.setattr(readers, "SPLIT_MIN", split_min)
+        monkeypatch.setattr(direct, "SPLIT_MIN", split_min)
         seen = 0
         with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
             for b in batches:
@@ -147,7 +157,7 @@ def test_hits_evicted_before_their_copy_are_read_again(monkeypatch, wide, batche
 
 
 def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypatch, wide):
-    """read(on_rows=...) of at least SPLIT_MIN windows: one submission; the rows of the windows complete at each
+    """parts(plan) of at least SPLIT_MIN windows: one submission; the rows of the windows complete at each
     fraction in HANDOVER come while the read is in flight, the rest after, every row once and right; through the row
     cache, the result and the cache hold the file's rows whatever the caller does to the arrays it got."""
     path, raw = wide
@@ -155,14 +165,14 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
         pytest.skip("io_uring not usable here")
     parts = []
     in_read = _flag_ring_reads(monkeypatch)
-    monkeypatch.setattr(readers, "SPLIT_MIN", 8)
+    monkeypatch.setattr(direct, "SPLIT_MIN", 8)
     submits = []
-    real_submit = readers._Engines._submit
+    real_submit = direct._Engines._submit
 
     def submit(self, offsets, *a, **kw):
         submits.append(offsets.shape[0])
         return real_submit(self, offsets, *a, **kw)
-    monkeypatch.setattr(readers._Engines, "_submit", submit)
+    monkeypatch.setattr(direct._Engines, "_submit", submit)
     ids = np.arange(0, N_ROWS, 3)       # 40 rows two rows apart: 40 windows at 512 or 4096 alignment
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         r = t._reader("direct")
@@ -171,7 +181,7 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
         p = t.plan(ids)
         assert p.n_windows == 40
         submits.clear()
-        assert r.read(p, on_rows=lambda pos, rows: parts.append((pos, rows.array(), in_read[0]))) is None
+        _parts(r, p, lambda pos, rows: parts.append((pos, rows.array(), in_read[0])))
         assert submits == [40]                                  # one submission
         assert parts[0][2] and parts[0][0].shape[0] >= 20       # half the windows, handed over in flight
         during = [d for _, _, d in parts]
@@ -180,7 +190,7 @@ def test_a_large_read_hands_its_first_rows_over_while_the_rest_is_read(monkeypat
         np.testing.assert_array_equal(np.sort(pos), np.arange(40))      # every row exactly once
         for x, rows, _ in parts:
             np.testing.assert_array_equal(rows, raw[ids[x]])
-        np.testing.assert_array_equal(r.read(p), raw[ids])        # without on_rows: one read, the rows returned
+        np.testing.assert_array_equal(r.read(p), raw[ids])        # read(): one read, the rows returned
         first = t.read_plan(t.plan(np.arange(0, 20)), "direct")  # 20 misses, one part: admitted
         first[:] = 3
         got = t.read_plan(p, "direct")                   # 7 hits, 33 misses handed over in up to two parts
@@ -224,7 +234,7 @@ def test_tables_of_one_file_in_threads_with_clears_return_the_files_rows(monkeyp
     import threading
     import time
     path, raw = wide
-    monkeypatch.setattr(readers, "SPLIT_MIN", 4)
+    monkeypatch.setattr(direct, "SPLIT_MIN", 4)
     stale = [0]
     real_copy = rowcache.RowCache.copy_hits
 
@@ -299,7 +309,7 @@ def test_an_interrupted_emptying_leaves_no_wrong_hit(wide, monkeypatch):
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         t.read_rows(np.arange(10), "direct")
         c = rowcache._existing(t)
-        real_clear = rowcache.HashIndex.clear
+        real_clear = index.HashIndex.clear
         calls = [0]
 
         def clear_once(self):
@@ -307,11 +317,11 @@ def test_an_interrupted_emptying_leaves_no_wrong_hit(wide, monkeypatch):
             if calls[0] == 1:
                 raise KeyboardInterrupt
             return real_clear(self)
-        monkeypatch.setattr(rowcache.HashIndex, "clear", clear_once)
+        monkeypatch.setattr(index.HashIndex, "clear", clear_once)
         with pytest.raises(KeyboardInterrupt):
             c.clear()
         assert c._dirty and (c.index.get(np.arange(10)) >= 0).all()     # the old entries are still there...
-        monkeypatch.setattr(rowcache.HashIndex, "clear", real_clear)
+        monkeypatch.setattr(index.HashIndex, "clear", real_clear)
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
         np.testing.assert_array_equal(t.read_rows(np.arange(10), "direct"), raw[:10])
         np.testing.assert_array_equal(t.read_rows(np.arange(100, 110), "direct"), raw[100:110])
@@ -324,7 +334,7 @@ def test_a_file_changed_before_a_hand_over_read_is_refused_before_any_row(monkey
     path, raw = wide
     if not uring.probe()[0]:
         pytest.skip("io_uring not usable here")
-    monkeypatch.setattr(readers, "SPLIT_MIN", 8)
+    monkeypatch.setattr(direct, "SPLIT_MIN", 8)
     with gg.open_table(path, config=Config(cache_bytes=1 << 20, page_cache_reads=0)) as t:
         r = t._reader("direct")
         if r.ring is None or not r.odirect:
@@ -334,7 +344,7 @@ def test_a_file_changed_before_a_hand_over_read_is_refused_before_any_row(monkey
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         parts = []
         with pytest.raises(gg.ReadError, match="modified"):
-            r.read(p, on_rows=lambda pos, rows: parts.append(pos))
+            _parts(r, p, lambda pos, rows: parts.append(pos))
         assert parts == [] and r.ring.outstanding() == (0, 0) and not r.ring.broken
         with pytest.raises(gg.ReadError, match="modified"):
             t.read_rows(np.arange(0, N_ROWS, 3), "direct")

@@ -21,13 +21,15 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather.gpu import devcache
+from gds_gather.gpu.cuda import CudaAccel
 from gds_gather.cache import rowcache
 from gds_gather.cache import source
 from gds_gather.gpu.kernel_sources import write_sources
-from gds_gather.io.readers import DirectReader
-from gds_gather.cache.rowcache import RowCache
+from gds_gather.io.direct import DirectReader
+from gds_gather.cache.store import RowCache
 
 N_ROWS = 300
+CUDA = CudaAccel()      # the device caches made here never allocate a pool: the CUDA accel is never called
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CFG = gg.Config(page_cache_reads=0)
 
@@ -87,7 +89,8 @@ def test_the_gds_stand_in_has_only_what_gdsreader_has():
 def run_batches(path, raw, batches, budget, mode, lag=1, fail_at=None):
     """Stage every batch on the host and play the device `lag` ubatches behind; returns the table's stats."""
     with gg.open_table(path, config=CFG.with_(cache_bytes=budget)) as t:
-        dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=budget, store=False, max_rows=N_ROWS), 0)
+        index = RowCache(row_bytes=t.row_bytes, budget=budget, store=False, max_rows=N_ROWS)
+        dc = devcache.DeviceRowCache(index, 0, CUDA)
         rb = t.row_bytes
         N = max([len(b) for b in batches] + [1])
         step = -(-(N + 2) * 2 * 4096 // 4096) * 4096           # a gds slot region (windows of up to N rows)
@@ -171,7 +174,7 @@ def test_the_emulated_device_catches_a_missed_admission(table):
     ids = np.arange(40)
     with gg.open_table(path, config=CFG.with_(cache_bytes=1 << 20)) as t, \
             DirectReader(t.path, t.data_offset, t.n_bytes, config=t.config, file_id=t.file_id) as r:
-        dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0)
+        dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0, CUDA)
         pool = np.zeros(dc.fresh_base + 64 * t.row_bytes, np.uint8)
         fresh = np.zeros(64 * t.row_bytes, np.uint8)
         first = stage(dc, t, r, t.plan(ids), fresh=fresh)
@@ -189,7 +192,7 @@ def test_all_hits_still_refuse_a_changed_file(tmp_path, ggufs):
     path = ggufs.write(tmp_path / "c.gguf", ggufs.rows(Q.IQ4_NL, 50, 160, seed=1), Q.IQ4_NL)
     with gg.open_table(path, config=CFG.with_(cache_bytes=1 << 20)) as t, \
             DirectReader(t.path, t.data_offset, t.n_bytes, config=t.config, file_id=t.file_id) as r:
-        dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0)
+        dc = devcache.DeviceRowCache(RowCache(row_bytes=t.row_bytes, budget=1 << 20, store=False), 0, CUDA)
         fresh = np.zeros(50 * t.row_bytes + 8, np.uint8)
         stage(dc, t, r, t.plan(np.arange(5)), fresh=fresh)
         st_ = os.stat(path)
@@ -202,21 +205,21 @@ def test_acquire_lends_one_cache_per_file_and_device(table):
     path, _ = table
     devcache.drop_all()
     with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
-        a = devcache.acquire(t, 0)
-        b = devcache.acquire(t, 0)                 # while `a` is lent: a private cache
+        a = devcache.acquire(t, 0, CUDA)
+        b = devcache.acquire(t, 0, CUDA)           # while `a` is lent: a private cache
         assert a is not b and a.in_use and b.in_use and b.key is None
         devcache.release(a)
         devcache.release(b)
-        assert devcache.acquire(t, 0) is a         # the next prefill finds a's rows
-        c = devcache.acquire(t, 1)
+        assert devcache.acquire(t, 0, CUDA) is a   # the next prefill finds a's rows
+        c = devcache.acquire(t, 1, CUDA)
         assert c is not a                          # another device: its own
         devcache.release(a)
         devcache.release(c)
         devcache.discard(a)                        # left queued work: never lent again
-        assert devcache.acquire(t, 0) is not a
+        assert devcache.acquire(t, 0, CUDA) is not a
         assert a.index.budget == 1 << 20 and a.cache_bytes == a.index.capacity * t.row_bytes
     with gg.open_table(path, config=gg.Config(cache_bytes=0)) as t:
-        assert devcache.acquire(t, 0) is None
+        assert devcache.acquire(t, 0, CUDA) is None
     devcache.drop_all()
 
 
@@ -226,24 +229,24 @@ def test_acquire_drops_stale_and_least_recently_used_caches(table):
     path, _ = table
     devcache.drop_all()
     with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as old:
-        a = devcache.acquire(old, 0)
+        a = devcache.acquire(old, 0, CUDA)
         devcache.release(a)
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20)) as t:
-            b = devcache.acquire(t, 0)
+            b = devcache.acquire(t, 0, CUDA)
             devcache.release(b)
-            assert devcache.acquire(old, 0) is not a        # a's pool was dropped as stale
+            assert devcache.acquire(old, 0, CUDA) is not a  # a's pool was dropped as stale
             devcache.drop_all()
-            first = devcache.acquire(t, 0)
+            first = devcache.acquire(t, 0, CUDA)
             devcache.release(first)
             later = []
             for dev in range(1, devcache.MAX_POOLS + 1):
-                later.append(devcache.acquire(t, dev))
+                later.append(devcache.acquire(t, dev, CUDA))
                 devcache.release(later[-1])
-            assert devcache.acquire(t, devcache.MAX_POOLS) is later[-1]     # kept
+            assert devcache.acquire(t, devcache.MAX_POOLS, CUDA) is later[-1]    # kept
             devcache.release(later[-1])
-            assert devcache.acquire(t, 0) is not first                     # the oldest idle one went
+            assert devcache.acquire(t, 0, CUDA) is not first               # the oldest idle one went
     devcache.drop_all()
 
 
@@ -324,7 +327,7 @@ def test_copy_kernels_compile_for_sm90_and_amd(tmp_path):
 def test_budget_is_the_host_caches(table):
     path, _ = table
     with gg.open_table(path, config=gg.Config(cache_bytes=50_000)) as t:
-        dc = devcache.acquire(t, 7)
+        dc = devcache.acquire(t, 7, CUDA)
         try:
             assert dc.index.capacity == min(rowcache.capacity_for(50_000, t.row_bytes), N_ROWS)
             assert dc.fresh_base % devcache.FRESH_ALIGN == 0 and dc.fresh_base >= dc.cache_bytes

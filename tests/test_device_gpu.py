@@ -448,7 +448,7 @@ def test_one_device_choice_per_table_and_streams_by_handle(table_and_rows, monke
         for _ in range(3):
             got = t.read_rows(ids)
         assert len(calls) == first
-        assert t._last[0].key == torch.cuda.current_stream().cuda_stream
+        assert t.device_path.last.key == torch.cuda.current_stream().cuda_stream
         np.testing.assert_array_equal(got.cpu().numpy(), rows[_ids(rows.shape[0])])
 
 

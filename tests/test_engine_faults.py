@@ -168,7 +168,7 @@ def test_undrainable_ring_refuses_clearly(big, monkeypatch):
 
         def dead(n):
             raise OSError(errno.EBADF, "Bad file descriptor")
-        monkeypatch.setattr(r.ring, "_wait", dead)
+        monkeypatch.setattr(r.ring, "wait", dead)
         with pytest.raises(KeyboardInterrupt):
             t.read_rows(np.arange(0, t.n_rows, 37), "direct")
         assert r.ring.broken
@@ -193,12 +193,12 @@ def test_exception_between_drain_steps_is_healed_on_next_read(big):
         r = _reader(t)
         ring = r.ring
         r.inject = _nth_batch(1, _raise(KeyboardInterrupt()), ring)
-        real = ring._drain
-        ring._drain = lambda path, timeout_s=60.0: None         # as if the drain itself had been skipped
+        real = ring.drain
+        ring.drain = lambda path, timeout_s=60.0: None         # as if the drain itself had been skipped
         with pytest.raises(KeyboardInterrupt):
             t.read_rows(np.arange(0, t.n_rows, 11), "direct")
         assert ring.outstanding() != (0, 0)
-        ring._drain = real
+        ring.drain = real
         r.inject = None
         _check_next_reads(t, rows, n=2)
         assert ring.outstanding() == (0, 0)

@@ -1,7 +1,7 @@
 """GdsReader's KvikIO calls (issue 34): a plan's adjacent windows are one pread, every pread is submitted before
 any is waited for, the bytes land where the plan says, and KvikIO's pool is configured once per process (not at
 every reader open). A stand-in `kvikio` module records the calls and reads the real file (pread into the device
-buffer of accel.HostAccel, whose device memory is host memory); accel.CudaAccel.cufile opens it."""
+buffer of host.HostAccel, whose device memory is host memory); cuda.CudaAccel.cufile opens it."""
 from __future__ import annotations
 
 import importlib.machinery
@@ -14,7 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gds_gather as gg
-from gds_gather.gpu.accel import CudaAccel, HostAccel
+from gds_gather.gpu.cuda import CudaAccel
+from gds_gather.gpu.host import HostAccel
 from gds_gather.gpu.device import GdsReader
 
 pytest.importorskip("torch")        # (HostAccel)

@@ -215,10 +215,10 @@ class TorchStream:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """FakeCuda installed as `cupy`, torch's current stream = TORCH_STREAM, the kernel launch recorded (and
-    computed with dequant_gpu.reference_gather, so the rows are checked against gguf's dequantizer)."""
+    computed with host_kernels.reference_gather, so the rows are checked against gguf's dequantizer)."""
     torch = pytest.importorskip("torch")
     from gds_gather.gpu import dequant as dequant_gpu
-    from gds_gather.gpu import devcache
+    from gds_gather.gpu import devcache, host_kernels
     fake = FakeCuda()
     monkeypatch.setitem(sys.modules, "cupy", fake.module)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: TorchStream())
@@ -227,7 +227,7 @@ def fake_cuda(monkeypatch):
         torch_ids = hasattr(inv, "numpy")       # None: torch's current stream for torch ids, as the real one
         fake.log.append(("launch", dequant_gpu._stream_handle(stream, "torch" if torch_ids else "cupy", 0)))
         inv = inv.numpy() if torch_ids else np.asarray(inv.a)
-        return dequant_gpu.reference_gather(staging.a, offs.a, inv, qtype, row_elems, dtype=dtype, **kw)
+        return host_kernels.reference_gather(staging.a, offs.a, inv, qtype, row_elems, dtype=dtype, **kw)
     monkeypatch.setattr(dequant_gpu, "gather_rows", gather_rows)
     monkeypatch.setattr(devcache, "_function", lambda device_id, name: CopyKernel(fake, name))
     from gds_gather.gpu import device      # the fake's device pointer of mapped memory is its host address
@@ -493,7 +493,7 @@ def test_refused_wait_during_capture_runs_eagerly(tmp_path):
     """The driver takes the eager probe's wait but refuses the captured node (HostAccel(refuse_waits="capture")):
     the real GpuPrefill falls back to eager steps, says why, and its rows equal the CPU pipeline's."""
     pytest.importorskip("torch")
-    from gds_gather.gpu.accel import HostAccel
+    from gds_gather.gpu.host import HostAccel
     from gds_gather.model.synth import write_model
     from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill
     from gds_gather.prefill.run import RowMapper

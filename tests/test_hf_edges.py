@@ -1,4 +1,4 @@
-"""hf.py's refusals and descriptions on a tiny Gemma 4 (the rows checked against the model's own weight): a model
+"""The transformers integration's refusals and descriptions on a tiny Gemma 4 (the rows checked against the model's own weight): a model
 without per-layer embeddings, a second offload, a handle's use()/release() misuse, a model not loaded from a
 directory, from_pretrained with verify_rows=0 (said in the log), run_hf_prefill's argument checks; and its
 resolution branches: a checkpoint found in the local Hugging Face cache by hub id, a config no causal-LM class
@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from gds_gather.integrations import transformers as hf  # noqa: E402
+from gds_gather.benches import hf_ab  # noqa: E402
 from gds_gather.benches.tiny import tiny  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
 
@@ -87,9 +88,9 @@ def test_from_pretrained_without_verification_says_so(ckpt, tmp_path, caplog):
 
 def test_run_hf_prefill_checks_its_arguments(ckpt, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
-        hf.run_hf_prefill(tmp_path / "nope")
+        hf_ab.run_hf_prefill(tmp_path / "nope")
     with pytest.raises(ValueError, match="--ubatch and the repeat count must be > 0 and --generate >= 0, got 0, 5, 0"):
-        hf.run_hf_prefill(ckpt, ubatch=0)
+        hf_ab.run_hf_prefill(ckpt, ubatch=0)
 
 
 def _same_class_and_rows(ref, model, ids):
@@ -146,9 +147,9 @@ def test_prefill_tokenizer_encodes_as_the_tokenizers_library(tmp_path):
     vocab = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}
     raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    assert hf._tokenizer(tmp_path) is None                        # no tokenizer files: none
+    assert hf_ab.hf_tokenizer(tmp_path) is None                        # no tokenizer files: none
     transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
-    tok = hf._tokenizer(tmp_path)
+    tok = hf_ab.hf_tokenizer(tmp_path)
     got = tok.encode("the cat sat on the mat")
     assert got.dtype.name == "int64"
     assert got.tolist() == raw.encode("the cat sat on the mat").ids == [1, 2, 3, 0, 1, 0]
@@ -203,7 +204,7 @@ def test_a_weight_shared_with_another_parameter_is_not_freed(ckpt, caplog):
     w = model.get_per_layer_input_embeddings().weight
     model.register_parameter("gds_test_view", torch.nn.Parameter(w.detach()[:1], requires_grad=False))
     want = w.detach().clone()
-    with caplog.at_level(logging.WARNING, logger="gds_gather.integrations.transformers"):
+    with caplog.at_level(logging.WARNING, logger="gds_gather.integrations.disk_embedding"):
         h = hf.offload_per_layer_embeddings(model, source=ckpt)
     try:
         assert "per-layer embedding weight is shared with another parameter: not freed" in caplog.text

@@ -19,7 +19,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from gds_gather.gpu import dequant as dg
+from gds_gather.gpu import host_kernels as hk
+from gds_gather.gpu import tables
 from gds_gather.model.synth import random_blocks
 from gds_gather.formats.quants import supported_types
 
@@ -45,7 +46,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
     obj = tmp_path / "gather.o"
     cmd = [hipcc, *(f"--offload-arch={t}" for t in TARGETS), "-std=c++17", "-ffp-contract=off",
-           "-DGG_INSTANTIATE_EACH_TYPE", *(f"-D{k}={v}" for k, v in dg.defines().items()),
+           "-DGG_INSTANTIATE_EACH_TYPE", *(f"-D{k}={v}" for k, v in tables.defines().items()),
            "-x", "hip", "-c", str(tmp_path / "gather.cu"), "-o", str(obj)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HIP_PLATFORM": "amd"})
     assert res.returncode == 0, res.stderr[-4000:]
@@ -88,9 +89,9 @@ def test_hip_preprocessor_paths():
 
 @pytest.fixture(scope="module")
 def soft():
-    if not dg.host_compiler_available():
+    if not hk.host_compiler_available():
         pytest.skip("no C++ compiler: the host build of HIP's multiply path cannot be checked")
-    return dg.host_library(soft_mul=True)
+    return hk.host_library(soft_mul=True)
 
 
 def _special_floats() -> np.ndarray:
@@ -112,7 +113,7 @@ def test_soft_multiply_is_ieee(soft):
     bf = np.concatenate([b.view(np.float32), np.tile(s, s.size)])
     with np.errstate(all="ignore"):
         ref = af * bf
-    got = dg.host_mul(af, bf, soft_mul=True)
+    got = hk.host_mul(af, bf, soft_mul=True)
     tiny = (ref != 0) & (np.abs(ref) < np.finfo(np.float32).tiny)
     assert tiny.sum() > 10_000                                 # the subnormal results really are exercised
     nan = np.isnan(ref)
@@ -124,7 +125,7 @@ def test_soft_multiply_is_ieee(soft):
 def test_soft_mul_build_dequant_exact(soft, qtype):
     rng = np.random.default_rng(3000 + int(qtype))
     blocks = random_blocks(qtype, 500, rng)
-    got = dg.host_dequantize(blocks, qtype, soft_mul=True)
+    got = hk.host_dequantize(blocks, qtype, soft_mul=True)
     ref = np.asarray(gq.dequantize(blocks, qtype), np.float32).reshape(got.shape)
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
@@ -136,7 +137,7 @@ def test_soft_mul_build_mxfp4_every_exponent_and_scaled_gather(soft):
     blocks[:, 0] = np.arange(256, dtype=np.uint8)
     with np.errstate(over="ignore"):
         ref = np.asarray(gq.dequantize(blocks, Q.MXFP4), np.float32)
-    got = dg.host_dequantize(blocks, Q.MXFP4, soft_mul=True)
+    got = hk.host_dequantize(blocks, Q.MXFP4, soft_mul=True)
     np.testing.assert_array_equal(got.view(np.uint32), ref.reshape(got.shape).view(np.uint32))
     x = np.concatenate([_special_floats(), np.random.default_rng(2).standard_normal(46).astype(np.float32) * 1e-38])
     x = x[: x.size // 16 * 16]
@@ -145,9 +146,9 @@ def test_soft_mul_build_mxfp4_every_exponent_and_scaled_gather(soft):
     offs, inv = np.arange(n, dtype=np.int64) * 64, np.arange(n, dtype=np.int32)
     for scale in (16.0, 0.1, 3e-39):
         kw = dict(scale=scale)
-        got = dg.host_gather(staging, offs, inv, Q.F32, 16, soft_mul=True, **kw)
+        got = hk.host_gather(staging, offs, inv, Q.F32, 16, soft_mul=True, **kw)
         with np.errstate(over="ignore", invalid="ignore"):
-            want = dg.reference_gather(staging, offs, inv, Q.F32, 16, **kw)
+            want = hk.reference_gather(staging, offs, inv, Q.F32, 16, **kw)
         nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got), nan)
         np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])

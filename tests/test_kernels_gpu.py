@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from gds_gather.gpu import dequant as dg
+from gds_gather.gpu import host_kernels as hk
 from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
 from gds_gather.formats.quants import supported_types
@@ -98,7 +99,7 @@ def test_gather_exact_cupy(qtype, cp):
                     for scale in (None, 16.0):
                         kw = dict(dtype=dtype, scale=scale, layout=layout, n_layer=n_layer)
                         got = dg.gather_rows(d_st, d_off, d_inv, qtype, width, **kw)
-                        ref = dg.reference_gather(staging, offsets, inv, qtype, width, **kw)
+                        ref = hk.reference_gather(staging, offsets, inv, qtype, width, **kw)
                         assert isinstance(got, cp.ndarray) and got.shape == ref.shape
                         assert got.dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
                         np.testing.assert_array_equal(as_bits(cp.asnumpy(got)), as_bits(ref),
@@ -121,7 +122,7 @@ def test_gather_exact_torch(qtype, torch_cuda):
                     for scale in (None, 16.0):
                         kw = dict(dtype=dtype, scale=scale, layout=layout, n_layer=n_layer)
                         got = dg.gather_rows(d_st, d_off, d_inv, qtype, width, **kw)
-                        ref = dg.reference_gather(staging, offsets, inv, qtype, width, **kw)
+                        ref = hk.reference_gather(staging, offsets, inv, qtype, width, **kw)
                         assert isinstance(got, torch.Tensor) and got.is_cuda
                         assert got.dtype == getattr(torch, dtype) and tuple(got.shape) == ref.shape
                         np.testing.assert_array_equal(as_bits(torch_to_numpy(got)), as_bits(ref),
@@ -130,7 +131,7 @@ def test_gather_exact_torch(qtype, torch_cuda):
 
 def test_matches_host_build(cp):
     """Device and host builds of the same source agree (where a host compiler exists)."""
-    if not dg.host_compiler_available():
+    if not hk.host_compiler_available():
         pytest.skip("no host compiler")
     for qt in (Q.Q6_K, Q.IQ2_S, Q.NVFP4, Q.TQ1_0):
         plan, stagings = make_case(qt, 512, 100, (64,), seed=int(qt))
@@ -138,7 +139,7 @@ def test_matches_host_build(cp):
         for dtype in DTYPES:
             got = dg.gather_rows(cp.asarray(staging), cp.asarray(offsets), cp.asarray(plan.inverse), qt, 512,
                                  dtype=dtype, scale=0.3, layout="per_layer", n_layer=2)
-            host = dg.host_gather(staging, offsets, plan.inverse, qt, 512, dtype=dtype, scale=0.3,
+            host = hk.host_gather(staging, offsets, plan.inverse, qt, 512, dtype=dtype, scale=0.3,
                                   layout="per_layer", n_layer=2)
             np.testing.assert_array_equal(as_bits(cp.asnumpy(got)), as_bits(host))
 
@@ -156,7 +157,7 @@ def test_large_gathers(cp, qtype, width, n_layer, n_ids):
     for dtype in ("float32", "bfloat16"):
         got = dg.gather_rows(cp.asarray(staging), cp.asarray(offsets), cp.asarray(plan.inverse), qtype, width,
                              dtype=dtype, scale=scale, layout=layout, n_layer=n_layer)
-        ref = dg.reference_gather(staging, offsets, plan.inverse, qtype, width, dtype=dtype, scale=scale,
+        ref = hk.reference_gather(staging, offsets, plan.inverse, qtype, width, dtype=dtype, scale=scale,
                                   layout=layout, n_layer=n_layer)
         np.testing.assert_array_equal(as_bits(cp.asnumpy(got)), as_bits(ref))
 
@@ -166,7 +167,7 @@ def test_out_argument_unaligned_and_reused(cp):
     qt, width = Q.Q8_0, 160
     plan, stagings = make_case(qt, width, 200, (37,), seed=3)
     staging, offsets = stagings[0]
-    ref = dg.reference_gather(staging, offsets, plan.inverse, qt, width)
+    ref = hk.reference_gather(staging, offsets, plan.inverse, qt, width)
     buf = cp.zeros(37 * width + 1, cp.float32)
     out = buf[1:].reshape(37, width)                         # 4-byte aligned only
     got = dg.gather_rows(cp.asarray(staging), cp.asarray(offsets), cp.asarray(plan.inverse), qt, width, out=out)
@@ -183,7 +184,7 @@ def test_streams(cp, torch_cuda):
     qt, width = Q.IQ4_NL, 160
     plan, stagings = make_case(qt, width, 300, (512, 16), seed=4)
     staging, offsets = stagings[1]
-    ref = dg.reference_gather(staging, offsets, plan.inverse.reshape(512, 16), qt, width, dtype="float16")
+    ref = hk.reference_gather(staging, offsets, plan.inverse.reshape(512, 16), qt, width, dtype="float16")
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         d_st, d_off, d_inv = cp.asarray(staging), cp.asarray(offsets), cp.asarray(plan.inverse.reshape(512, 16))
@@ -241,9 +242,9 @@ def test_torch_graph_capture_replays(cp, torch_cuda):
         graph.replay()
         torch.cuda.synchronize()
         flat_offsets = np.arange(n_rows, dtype=np.int64) * rb
-        ref = dg.reference_gather(rows.reshape(-1), flat_offsets, ids, qt, width, dtype="bfloat16")
+        ref = hk.reference_gather(rows.reshape(-1), flat_offsets, ids, qt, width, dtype="bfloat16")
         np.testing.assert_array_equal(torch_to_numpy(out), ref)
-        ref32 = dg.reference_gather(rows.reshape(-1), flat_offsets, ids, qt, width, scale=16.0)
+        ref32 = hk.reference_gather(rows.reshape(-1), flat_offsets, ids, qt, width, scale=16.0)
         np.testing.assert_array_equal(torch_to_numpy(out32).view(np.uint32), ref32.view(np.uint32))
 
 

@@ -20,6 +20,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from gds_gather.gpu import dequant as dg
+from gds_gather.gpu import host_kernels as hk
+from gds_gather.gpu import tables
+from gds_gather.gpu import nvrtc
 from gds_gather.errors import BackendError, RowWidthError, UnsupportedTypeError
 from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
@@ -32,9 +35,9 @@ IDS = [t.name for t in TYPES]
 
 @pytest.fixture(scope="module")
 def lib():
-    if not dg.host_compiler_available():
+    if not hk.host_compiler_available():
         pytest.skip("no C++ compiler (g++/clang++) or nvcc: the host build of the kernels cannot be checked")
-    return dg.host_library()
+    return hk.host_library()
 
 
 def _bits_equal(got: np.ndarray, ref: np.ndarray) -> None:
@@ -46,7 +49,7 @@ def _bits_equal(got: np.ndarray, ref: np.ndarray) -> None:
 
 # ---- tables and geometry ------------------------------------------------------------------------------------------
 def test_tables_come_from_gguf():
-    g = dg.grids()
+    g = tables.grids()
     for name, cls in (("IQ2XXS", gq.IQ2_XXS), ("IQ2XS", gq.IQ2_XS), ("IQ2S", gq.IQ2_S), ("IQ3XXS", gq.IQ3_XXS),
                       ("IQ3S", gq.IQ3_S), ("IQ1S", gq.IQ1_S), ("IQ1S", gq.IQ1_M)):
         cls.init_grid()
@@ -56,7 +59,7 @@ def test_tables_come_from_gguf():
     assert tuple(g["KV_IQ4NL"]) == gq.IQ4_NL.kvalues and tuple(g["KV_MXFP4"]) == gq.MXFP4.kvalues
     assert tuple(g["KV_NVFP4"]) == gq.NVFP4.kvalues
     assert g["IQ1S_DELTA"][0] == gq.IQ1_S.delta and g["IQ1M_DELTA"][0] == gq.IQ1_M.delta
-    blob, offs = dg.table_blob(), dg.defines()
+    blob, offs = tables.table_blob(), tables.defines()
     assert not blob.flags.writeable
     for name, arr in g.items():
         at = offs[f"GG_OFF_{name}"]
@@ -74,7 +77,7 @@ def test_no_table_literals_in_sources():
 
 def test_geometry_matches_gguf(lib):
     for qt in TYPES:
-        assert dg.host_geometry(qt) == GGML_QUANT_SIZES[qt], qt.name
+        assert hk.host_geometry(qt) == GGML_QUANT_SIZES[qt], qt.name
 
 
 def test_kernel_names():
@@ -88,7 +91,8 @@ def test_kernel_names():
 
 
 def test_module_imports_no_gpu_library():
-    code = ("import sys, gds_gather.gpu.dequant as d; d.grids(); d.source(); "
+    code = ("import sys, gds_gather.gpu.dequant, gds_gather.gpu.host_kernels, gds_gather.gpu.tables as t; "
+            "t.grids(); t.source(); "
             "print(sorted(m for m in ('cupy', 'torch') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
@@ -99,9 +103,9 @@ def test_module_imports_no_gpu_library():
 def test_dequant_exact_valid_blocks(lib, qtype, ggufs):
     rng = np.random.default_rng(int(qtype))
     blocks = random_blocks(qtype, 3000, rng)
-    _bits_equal(dg.host_dequantize(blocks, qtype), gq.dequantize(blocks, qtype))
+    _bits_equal(hk.host_dequantize(blocks, qtype), gq.dequantize(blocks, qtype))
     rows = ggufs.rows(qtype, 40, ggufs.width(qtype), seed=int(qtype))          # rows: [n, row_bytes]
-    got = dg.host_dequantize(rows, qtype)
+    got = hk.host_dequantize(rows, qtype)
     assert got.shape == (40, ggufs.width(qtype))
     _bits_equal(got, gq.dequantize(rows, qtype))
 
@@ -113,7 +117,7 @@ def test_dequant_exact_any_bytes(lib, qtype):
     raw = np.random.default_rng(1000 + int(qtype)).integers(0, 256, (4000, size), dtype=np.uint8)
     with np.errstate(all="ignore"):
         ref = np.asarray(gq.dequantize(raw, qtype), np.float32).reshape(4000, block)
-    got = dg.host_dequantize(raw, qtype)
+    got = hk.host_dequantize(raw, qtype)
     nan = np.isnan(ref)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
@@ -122,25 +126,25 @@ def test_dequant_exact_any_bytes(lib, qtype):
 def test_scalar_decoders_exhaustive(lib):
     """All 65536 fp16 and bf16 patterns, all 256 e8m0 and ue4m3 scale bytes."""
     every16 = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
-    _bits_equal(dg.host_dequantize(every16, Q.F16), gq.dequantize(every16, Q.F16))
-    _bits_equal(dg.host_dequantize(every16, Q.BF16), gq.dequantize(every16, Q.BF16))
+    _bits_equal(hk.host_dequantize(every16, Q.F16), gq.dequantize(every16, Q.F16))
+    _bits_equal(hk.host_dequantize(every16, Q.BF16), gq.dequantize(every16, Q.BF16))
     for qt, scale_bytes in ((Q.MXFP4, 1), (Q.NVFP4, 4)):
         _, size = GGML_QUANT_SIZES[qt]
         blocks = np.random.default_rng(7).integers(0, 256, (256, size), dtype=np.uint8)
         blocks[:, :scale_bytes] = np.arange(256, dtype=np.uint8)[:, None]
         with np.errstate(over="ignore"):     # e8m0 255 = 2^127: x12 overflows to inf, in gguf as here
             ref = gq.dequantize(blocks, qt)
-        _bits_equal(dg.host_dequantize(blocks, qt), ref)
+        _bits_equal(hk.host_dequantize(blocks, qt), ref)
 
 
 def test_host_dequantize_shapes_and_errors(lib):
     blocks = random_blocks(Q.Q4_0, 6, np.random.default_rng(0))
-    assert dg.host_dequantize(blocks.reshape(2, 3 * 18), Q.Q4_0).shape == (2, 96)
-    assert dg.host_dequantize(blocks[:0], Q.Q4_0).shape == (0, 32)
+    assert hk.host_dequantize(blocks.reshape(2, 3 * 18), Q.Q4_0).shape == (2, 96)
+    assert hk.host_dequantize(blocks[:0], Q.Q4_0).shape == (0, 32)
     with pytest.raises(ValueError):
-        dg.host_dequantize(blocks.reshape(-1)[:17], Q.Q4_0)
+        hk.host_dequantize(blocks.reshape(-1)[:17], Q.Q4_0)
     with pytest.raises(TypeError):
-        dg.host_dequantize(blocks.view(np.int8), Q.Q4_0)
+        hk.host_dequantize(blocks.view(np.int8), Q.Q4_0)
 
 
 # ---- the gather routine --------------------------------------------------------------------------------------------
@@ -185,8 +189,8 @@ def test_host_gather_exact(lib, qtype, ggufs):
                 for dtype in ("float32", "float16", "bfloat16"):
                     for scale in (None, 16.0, 0.1):
                         kw = dict(dtype=dtype, scale=scale, layout=layout, n_layer=n_layer)
-                        got = dg.host_gather(staging, offsets, inv, qtype, width, **kw)
-                        ref = dg.reference_gather(staging, offsets, inv, qtype, width, **kw)
+                        got = hk.host_gather(staging, offsets, inv, qtype, width, **kw)
+                        ref = hk.reference_gather(staging, offsets, inv, qtype, width, **kw)
                         assert got.shape == ref.shape and got.dtype == ref.dtype, (qtype.name, width, kw)
                         np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8),
                                                       err_msg=f"{qtype.name} width={width} {kw}")
@@ -199,7 +203,7 @@ def test_reference_matches_gguf_oracle(ggufs):
     ids = np.array([4, 4, 0, 9, 2])
     uniq, inv = np.unique(ids, return_inverse=True)
     rb = rows.shape[1]
-    got = dg.reference_gather(rows[uniq].reshape(-1), np.arange(uniq.size) * rb, inv, qt, width,
+    got = hk.reference_gather(rows[uniq].reshape(-1), np.arange(uniq.size) * rb, inv, qt, width,
                               scale=16.0, layout="per_layer", n_layer=n_layer, dtype="float16")
     full = gq.dequantize(rows, qt).reshape(10, width)[ids] * np.float32(16)
     with np.errstate(over="ignore"):
@@ -220,11 +224,11 @@ def test_output_rounding_every_float(lib):
     n = bits.size // 64
     offsets, inv = np.arange(n, dtype=np.int64) * 256, np.arange(n, dtype=np.int32)
     x = bits.view(np.float32).reshape(n, 64)
-    h = dg.host_gather(staging, offsets, inv, Q.F32, 64, dtype="float16")
+    h = hk.host_gather(staging, offsets, inv, Q.F32, 64, dtype="float16")
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
-    b = dg.host_gather(staging, offsets, inv, Q.F32, 64, dtype="bfloat16")
-    np.testing.assert_array_equal(b, dg.bf16_bits(x))
+    b = hk.host_gather(staging, offsets, inv, Q.F32, 64, dtype="bfloat16")
+    np.testing.assert_array_equal(b, hk.bf16_bits(x))
     torch = pytest.importorskip("torch")
     t = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     finite = ~np.isnan(x)
@@ -235,20 +239,20 @@ def test_host_gather_argument_checks(lib):
     staging = np.zeros(90 * 4, np.uint8)
     offs = np.arange(4, dtype=np.int64) * 90
     inv = np.array([0, 3, 1])
-    assert dg.host_gather(staging, offs, inv, Q.IQ4_NL, 160).shape == (3, 160)
-    assert dg.host_gather(staging, offs, inv[:0], Q.IQ4_NL, 160).shape == (0, 160)
+    assert hk.host_gather(staging, offs, inv, Q.IQ4_NL, 160).shape == (3, 160)
+    assert hk.host_gather(staging, offs, inv[:0], Q.IQ4_NL, 160).shape == (0, 160)
     with pytest.raises(IndexError):
-        dg.host_gather(staging, offs + 1, inv, Q.IQ4_NL, 160)
+        hk.host_gather(staging, offs + 1, inv, Q.IQ4_NL, 160)
     with pytest.raises(IndexError):
-        dg.host_gather(staging, offs, np.array([4]), Q.IQ4_NL, 160)
+        hk.host_gather(staging, offs, np.array([4]), Q.IQ4_NL, 160)
     with pytest.raises(ValueError):                     # RowWidthError: 150 is not whole blocks
-        dg.host_gather(staging, offs, inv, Q.IQ4_NL, 150)
+        hk.host_gather(staging, offs, inv, Q.IQ4_NL, 150)
     with pytest.raises(ValueError):
-        dg.host_gather(staging, offs, inv, Q.IQ4_NL, 160, layout="per_layer", n_layer=3)
+        hk.host_gather(staging, offs, inv, Q.IQ4_NL, 160, layout="per_layer", n_layer=3)
     with pytest.raises(ValueError):
-        dg.host_gather(staging, offs, inv, Q.IQ4_NL, 160, layout="columns")
+        hk.host_gather(staging, offs, inv, Q.IQ4_NL, 160, layout="columns")
     with pytest.raises(TypeError):
-        dg.host_gather(staging, offs.astype(np.int32), inv, Q.IQ4_NL, 160)
+        hk.host_gather(staging, offs.astype(np.int32), inv, Q.IQ4_NL, 160)
 
 
 def test_launch_config():
@@ -277,7 +281,7 @@ def test_nvcc_sm90_compiles_every_kernel(tmp_path):
         pytest.skip("nvcc not found: the sm_90 compile check of kernels/gather.cu cannot run")
     from gds_gather.gpu.kernel_sources import write_sources
     write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
-    flags = [f"-D{k}={v}" for k, v in dg.defines().items()]
+    flags = [f"-D{k}={v}" for k, v in tables.defines().items()]
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "--fmad=false", "--ftz=false", "-cubin", "-DGG_INSTANTIATE_ALL",
            "-Xptxas", "-v", *flags, "-o", str(tmp_path / "gather.cubin"), str(tmp_path / "gather.cu")]
     t0 = time.perf_counter()
@@ -296,12 +300,12 @@ def test_nvrtc_compiles_every_kernel():
     """The NVRTC translation unit with its name expressions, as cupy.RawModule compiles it (skips without NVRTC)."""
     try:
         from cupy.cuda import compiler
-        prog = compiler._NVRTCProgram(dg.source(), "gather.cu",
+        prog = compiler._NVRTCProgram(tables.source(), "gather.cu",
                                       name_expressions=[n for qt in TYPES for n in dg.kernel_names(qt)])
     except Exception as e:   # cupy absent, or libnvrtc not loadable
         pytest.skip(f"NVRTC not available here ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     # the options CuPy's RawModule ends up passing (it appends -ftz=true and the default execution space)
-    _, mapping = prog.compile(dg.NVRTC_OPTIONS + ("-ftz=true", "-arch=sm_90", "--device-as-default-execution-space"))
+    _, mapping = prog.compile(nvrtc.NVRTC_OPTIONS + ("-ftz=true", "-arch=sm_90", "--device-as-default-execution-space"))
     assert len(mapping) == 6 * len(TYPES)
     assert all(v.startswith("_Z9gg_gather") for v in mapping.values())
 
@@ -372,7 +376,7 @@ def test_gather_rows_launch_plumbing(lib, monkeypatch):
                 (np.int64, np.int32, np.int32, np.int32, np.float32, np.int32)
             assert block == (dg.BLOCK,) and grid[0] * int(rpc) >= int(n) > (grid[0] - 1) * int(rpc)
             launches.append((qt_id, dtype, index_dtype))
-            rc = dg.host_library().gg_host_gather(
+            rc = hk.host_library().gg_host_gather(
                 qt_id, dg.OUT_DTYPES[dtype], int(index_dtype == "int64"), int(st), int(off), int(inv), int(out),
                 tab.a.ctypes.data, int(n), int(row_elems), int(seg), float(scale), int(has_scale))
             assert rc == 0
@@ -398,7 +402,7 @@ def test_gather_rows_launch_plumbing(lib, monkeypatch):
                 kw = dict(dtype=dtype, scale=16.0 if n_layer else None, layout=layout, n_layer=n_layer)
                 got = dg.gather_rows(_FakeDeviceArray(staging), _FakeDeviceArray(plan.row_staging),
                                      _FakeDeviceArray(inv), qt, width, stream=1234, **kw)
-                ref = dg.reference_gather(staging, plan.row_staging, inv, qt, width, **kw)
+                ref = hk.reference_gather(staging, plan.row_staging, inv, qt, width, **kw)
                 assert isinstance(got, _FakeDeviceArray) and got.shape == ref.shape
                 np.testing.assert_array_equal(got.a.view(np.uint8), ref.view(np.uint8))
     assert len(launches) == 3 * 2 * 3 and _FakeCupy.cuda.Stream.seen[-1] == (0, 1234)
@@ -423,14 +427,14 @@ def test_host_build_compiles_into_an_empty_cache(lib, tmp_path, monkeypatch):
     geometry is gguf's; the build directory is gone afterwards; a second call loads the same file."""
     import tempfile
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    dll = dg.host_library.__wrapped__(False)
+    dll = hk.host_library.__wrapped__(False)
     cache = tmp_path / f"gds_gather-{os.getuid()}"
     built = list(cache.iterdir())
     assert len(built) == 1 and built[0].name.startswith("gg_host_") and built[0].suffix == ".so"
     qk, ts = ctypes.c_int(), ctypes.c_int()
     assert dll.gg_geometry(int(Q.Q6_K), qk, ts) == 0 and (qk.value, ts.value) == GGML_QUANT_SIZES[Q.Q6_K]
     mtime = built[0].stat().st_mtime_ns
-    dg.host_library.__wrapped__(False)
+    hk.host_library.__wrapped__(False)
     assert list(cache.iterdir()) == built and built[0].stat().st_mtime_ns == mtime
 
 
@@ -440,37 +444,37 @@ def test_host_build_failure_says_what_the_compiler_said(lib, tmp_path, monkeypat
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no g++/c++/clang++")
-    monkeypatch.setattr(dg, "_host_compiler", lambda: [cxx, "-x", "c++", "--no-such-flag-gg"])
+    monkeypatch.setattr(hk, "host_compiler", lambda: [cxx, "-x", "c++", "--no-such-flag-gg"])
     with pytest.raises(BackendError, match=r"(?s)host build of the kernels failed \(.*\):\n.*no-such-flag-gg"):
-        dg.host_library.__wrapped__(False)
+        hk.host_library.__wrapped__(False)
     assert [p.name for p in (tmp_path / f"gds_gather-{os.getuid()}").iterdir()] == []
 
 
 def test_host_compiler_choice(monkeypatch):
     """g++/c++/clang++ first; nvcc's host path when only nvcc is on PATH; none: a clear error, no build."""
     monkeypatch.setattr(shutil, "which", lambda n: "/opt/cuda/bin/nvcc" if n == "nvcc" else None)
-    cmd = dg._host_compiler()
+    cmd = hk.host_compiler()
     assert cmd[0] == "/opt/cuda/bin/nvcc" and cmd[-2:] == ["-x", "cu"] and "--fmad=false" in cmd
     monkeypatch.setattr(shutil, "which", lambda n: None)
-    assert not dg.host_compiler_available()
+    assert not hk.host_compiler_available()
     with pytest.raises(BackendError, match=r"needs a C\+\+ compiler \(g\+\+, clang\+\+\) or nvcc"):
-        dg.host_library.__wrapped__(False)
+        hk.host_library.__wrapped__(False)
 
 
 def test_host_helpers_reject_bad_arguments(lib):
     with pytest.raises(ValueError, match=r"shapes differ: \(3,\) and \(4,\)"):
-        dg.host_mul(np.ones(3), np.ones(4))
+        hk.host_mul(np.ones(3), np.ones(4))
     with pytest.raises(UnsupportedTypeError, match="Q8_1 is not in the CUDA source"):
-        dg.host_geometry(Q.Q8_1)
+        hk.host_geometry(Q.Q8_1)
     staging, offs, inv = np.zeros(90, np.uint8), np.zeros(1, np.int64), np.zeros(2, np.int64)
     with pytest.raises(TypeError, match="staging must be uint8, got float32"):
-        dg.host_gather(staging.astype(np.float32), offs, inv, Q.IQ4_NL, 160)
+        hk.host_gather(staging.astype(np.float32), offs, inv, Q.IQ4_NL, 160)
     with pytest.raises(TypeError, match=r"row_offsets must be a 1-D int64 array, got int64 \(1, 1\)"):
-        dg.host_gather(staging, offs.reshape(1, 1), inv, Q.IQ4_NL, 160)
+        hk.host_gather(staging, offs.reshape(1, 1), inv, Q.IQ4_NL, 160)
     with pytest.raises(TypeError, match="inverse must be int32 or int64, got uint8"):
-        dg.host_gather(staging, offs, inv.astype(np.uint8), Q.IQ4_NL, 160)
+        hk.host_gather(staging, offs, inv.astype(np.uint8), Q.IQ4_NL, 160)
     with pytest.raises(RowWidthError, match=r"row_elems=268435456 is beyond what the kernels index \(2\^28\)"):
-        dg.host_gather(staging, offs, inv, Q.F32, 2**28)
+        hk.host_gather(staging, offs, inv, Q.F32, 2**28)
 
 
 def test_launch_checks_on_host_arrays():

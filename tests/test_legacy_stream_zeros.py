@@ -1,6 +1,6 @@
 """Device buffers are zeroed in the order of the stream that uses them, not on CUDA's legacy stream (issue 34).
 
-On accel.HostAccel the legacy stream (cupy's current stream, torch's default one) is a deferred stream of its own
+On host.HostAccel the legacy stream (cupy's current stream, torch's default one) is a deferred stream of its own
 (`null`), and `device_array` queues its memset on its stream as cupy does: a destination whose buffers were zeroed
 there, then uploaded and used on a side stream, is wiped when the legacy stream runs (a GPU whose stream 0 is
 busy does the same). Oracles: the host path (gguf's dequantizer) and the CPU pipeline."""
@@ -11,7 +11,7 @@ import pytest
 
 import gds_gather as gg
 from gds_gather.gpu import devcache
-from gds_gather.gpu.accel import HostAccel, HostArray
+from gds_gather.gpu.host import HostAccel, HostArray
 
 torch = pytest.importorskip("torch")
 from gds_gather.model.synth import write_model  # noqa: E402

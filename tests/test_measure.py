@@ -2,7 +2,6 @@
 each counter's "not available" answer (a file that is missing or malformed: None, never a made-up figure)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -11,11 +10,6 @@ import numpy as np
 import pytest
 
 from gds_gather.io import measure
-
-
-def test_human_bytes():
-    assert [measure.human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30, 7 << 40, 5000 << 40)] == \
-        ["0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "7.0 TiB", "5000.0 TiB"]
 
 
 def test_drop_caches_writes_3_or_says_refused(tmp_path):

@@ -279,7 +279,7 @@ def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
             res._last = -float("inf")               # the per-row path then runs until it has cost one refresh
             vec = np.zeros(-(-size // PAGE), np.uint8)
             import ctypes
-            from gds_gather.io.measure import _libc
+            from gds_gather.io.libc import libc as _libc
             _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
                             vec.ctypes.data_as(ctypes.c_void_p))
             start = t.data_offset + rows * t.row_bytes

@@ -1,4 +1,4 @@
-"""The GPU data path run on accel.HostAccel (deferred streams, the kernels built for the host, a pread stand-in
+"""The GPU data path run on host.HostAccel (deferred streams, the kernels built for the host, a pread stand-in
 for cuFile): GpuPrefill in every destination, Table.fetch_device / gather / read_rows and the device row cache,
 against the CPU pipeline and gguf's dequantizer (the independent oracles)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import gds_gather as gg
 from gds_gather.gpu import destinations
 from gds_gather.gpu import devcache
-from gds_gather.gpu.accel import HostAccel, HostArray, StreamOrderError
-from gds_gather.errors import ReadError, StagingCapacityError
+from gds_gather.gpu.host import HostAccel, HostArray
+from gds_gather.errors import ReadError, StagingCapacityError, StreamOrderError
 
 torch = pytest.importorskip("torch")
 from gds_gather.model.synth import write_model  # noqa: E402

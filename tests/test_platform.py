@@ -129,7 +129,7 @@ def test_choose_device_explicit_backends(monkeypatch, table):
 
 def test_fetch_device_asks_the_same_decision(monkeypatch, table):
     """Table.fetch_device goes through choose_device (so GpuPrefill and the benches report the same choice)."""
-    tbl = importlib.import_module("gds_gather.table")
+    tbl = importlib.import_module("gds_gather.gpu.device_path")
     seen = []
 
     def fake_choose(t, backend, cfg, state=None):
@@ -155,8 +155,10 @@ def test_gds_reader_turns_a_library_load_failure_into_backend_error(monkeypatch,
         return real_import(name, *a, **k)
     monkeypatch.setattr(builtins, "__import__", fake_import)
     from gds_gather.gpu.device import GdsReader
+    from gds_gather.gpu.cuda import CudaAccel
     with pytest.raises(gg.BackendError, match="OSError: libkvikio.so") as info:
-        GdsReader(table.path, table.data_offset, table.n_bytes, config=table.config, file_id=table.file_id)
+        GdsReader(table.path, table.data_offset, table.n_bytes, config=table.config, file_id=table.file_id,
+                  accel=CudaAccel())
     assert isinstance(info.value.__cause__, OSError)
 
 

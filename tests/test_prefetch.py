@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import gds_gather as gg
 from gds_gather.cache import prefetch
 from gds_gather.cache import rowcache
-from gds_gather.io import uring
+from gds_gather.io import uring, uring_groups
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -203,8 +203,8 @@ def test_a_file_changed_after_a_prefetch_is_refused_not_served(tmp_path, ggufs, 
 def test_a_prefetch_whose_reads_fail_costs_only_the_read(table, monkeypatch, caplog):
     path, raw, _ = table
     ids = np.arange(10, 60)
-    real = uring.Ring.finish
-    monkeypatch.setattr(uring.Ring, "finish", lambda self, tag, timeout_s=60.0: real(self, tag) and False)
+    real = uring_groups.GroupRing.finish
+    monkeypatch.setattr(uring_groups.GroupRing, "finish", lambda self, tag, timeout_s=60.0: real(self, tag) and False)
     with caplog.at_level(logging.WARNING), gg.open_table(path, config=_cfg()) as t:
         assert t.prefetch(ids, "direct") == ids.size
         t.read_rows([300], "direct")
@@ -221,7 +221,7 @@ def test_a_prefetch_that_cannot_start_costs_only_the_read(table, monkeypatch, ca
 
     def refuse(*a, **k):
         raise gg.ReadError("injected: no ring")
-    monkeypatch.setattr(uring.Ring, "start", refuse)
+    monkeypatch.setattr(uring_groups.GroupRing, "start", refuse)
     with caplog.at_level(logging.WARNING), gg.open_table(path, config=_cfg()) as t:
         assert t.prefetch(ids, "direct") == ids.size
         t.read_rows([300], "direct")

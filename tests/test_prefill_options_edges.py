@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 
 from gds_gather.errors import GatherError

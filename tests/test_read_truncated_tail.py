@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gds_gather.io import native
-from gds_gather.io import readers
+from gds_gather.io import direct
 from gds_gather.io import uring
 from gds_gather.config import Config
 from gds_gather.errors import ReadError
@@ -37,14 +37,14 @@ def test_python_pool_refuses_a_file_ending_inside_an_aligned_block(short_file):
     dst = np.zeros(WINDOW, np.uint8)
     with pytest.raises(ReadError, match=rf"^{path}: unexpected end of file at offset {SIZE}: was the file "
                                         r"truncated\?$"):
-        readers._python_pool(fd, path, _one(0), _one(WINDOW), _one(EXPECT), dst, _one(0), ALIGN, 1)
+        direct._python_pool(fd, path, _one(0), _one(WINDOW), _one(EXPECT), dst, _one(0), ALIGN, 1)
     assert np.array_equal(dst[:SIZE], data)              # what the file has did arrive
 
 
 def test_python_pool_reads_up_to_the_expected_end_then_stops(short_file):
     path, data, fd = short_file
     dst = np.zeros(WINDOW, np.uint8)
-    readers._python_pool(fd, path, _one(0), _one(WINDOW), _one(SIZE), dst, _one(0), ALIGN, 1)
+    direct._python_pool(fd, path, _one(0), _one(WINDOW), _one(SIZE), dst, _one(0), ALIGN, 1)
     assert np.array_equal(dst[:SIZE], data) and not dst[SIZE:].any()
 
 
@@ -54,7 +54,7 @@ def test_python_pool_names_offset_and_errno_of_a_failed_read(short_file):
     try:
         with pytest.raises(ReadError, match=rf"^\[Errno {errno.ESPIPE}\] {path}: read at offset 100 failed: "
                                             rf"{os.strerror(errno.ESPIPE)}$") as ei:
-            readers._python_pool(r, path, _one(100), _one(16), _one(16), np.zeros(16, np.uint8), _one(0), 1, 1)
+            direct._python_pool(r, path, _one(100), _one(16), _one(16), np.zeros(16, np.uint8), _one(0), 1, 1)
         assert ei.value.errno == errno.ESPIPE
     finally:
         os.close(r)
@@ -70,9 +70,9 @@ def test_python_pool_retries_an_interrupted_read(short_file, monkeypatch):
         if len(calls) == 1:
             raise InterruptedError(errno.EINTR, "Interrupted system call")
         return real(*a)
-    monkeypatch.setattr(readers.os, "preadv", eintr_once)
+    monkeypatch.setattr(direct.os, "preadv", eintr_once)
     dst = np.zeros(64, np.uint8)
-    readers._python_pool(fd, path, _one(300), _one(64), _one(64), dst, _one(0), 1, 1)
+    direct._python_pool(fd, path, _one(300), _one(64), _one(64), dst, _one(0), 1, 1)
     assert calls == [300, 300] and np.array_equal(dst, data[300:364])
 
 
@@ -110,4 +110,4 @@ def test_python_pool_names_the_offset_of_an_extent_past_the_end(short_file):
     path, data, fd = short_file
     with pytest.raises(ReadError, match=rf"^{path}: unexpected end of file at offset {SIZE + 100}: was the file "
                                         r"truncated\?$"):
-        readers._python_pool(fd, path, _one(SIZE + 100), _one(8), _one(8), np.zeros(8, np.uint8), _one(0), 1, 1)
+        direct._python_pool(fd, path, _one(SIZE + 100), _one(8), _one(8), np.zeros(8, np.uint8), _one(0), 1, 1)

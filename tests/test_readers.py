@@ -6,6 +6,8 @@ import os
 import shutil
 import threading
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather.io import native
-from gds_gather.io import readers
+from gds_gather.io import direct, readers
 from gds_gather.io import uring
 from gds_gather.io.storage import filesystem
 
@@ -22,6 +24,24 @@ HOST = ["direct", "pread", "mmap", "readahead", "resident"]
 # (type, width): row bytes 2, 90, 170, 4080, 4096, 4097, 20000
 GEOMETRIES = [(Q.F16, 1), (Q.IQ4_NL, 160), (Q.Q8_0, 160), (Q.MXFP4, 7680), (Q.F32, 1024), (Q.MXFP4, 7712),
               (Q.F16, 10000)]
+
+def _read_marks(ring, *a, marks, hand, **kw):
+    """Ring.reads(marks=...) with hand(extents) called at each Complete step; an exception from it closes the
+    generator (the ring drains)."""
+    with closing(ring.reads(*a, marks=marks, **kw)) as steps:
+        for step in steps:
+            if isinstance(step, uring.Complete):
+                hand(step.extents)
+
+
+def _read_between(ring, *a, between, **kw):
+    """Ring.reads(pause=True) with `between` run at its SUBMITTED step: a caller's work while the reads are in
+    flight; an exception from it closes the generator (the ring drains)."""
+    with closing(ring.reads(*a, pause=True, **kw)) as steps:
+        for step in steps:
+            if step is uring.SUBMITTED:
+                between()
+
 
 
 def table_file(tmp_path, ggufs, qtype, width, n_rows, seed=0, at_eof=True):
@@ -75,7 +95,7 @@ def test_direct_uses_odirect_windows_and_io_uring(small_table):
     with gg.open_table(small_table) as t:
         t.read_rows([1, 2], "direct")
         r = t._readers["direct"]
-        if filesystem(small_table) in readers.MEMORY_FILESYSTEMS:
+        if filesystem(small_table) in direct.MEMORY_FILESYSTEMS:
             assert not r.odirect
         else:
             assert r.odirect and r.align == t.align and "O_DIRECT" in r.how
@@ -103,7 +123,7 @@ def test_odirect_refused_falls_back_to_buffered(small_table, ggufs, monkeypatch,
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
-    monkeypatch.setattr(readers.os, "open", no_direct)
+    monkeypatch.setattr(direct.os, "open", no_direct)
     ref = ggufs.reference(small_table)
     with gg.open_table(small_table) as t:
         ids = np.arange(t.n_rows)[::-3]
@@ -264,7 +284,7 @@ def test_pread_splits_rows_larger_than_one_run_chunk(tmp_path, ggufs):
     """Rows of 280,000 B (> RUN_CHUNK): pread's exact-row reads are split into extents of at most RUN_CHUNK and
     still give the file's rows, in any order."""
     path, rows = table_file(tmp_path, ggufs, Q.F32, 70_000, 6)
-    assert rows.shape[1] > readers.RUN_CHUNK
+    assert rows.shape[1] > direct.RUN_CHUNK
     with gg.open_table(path, config=engine_only()) as t:
         ids = np.array([5, 0, 3, 3, 1])
         np.testing.assert_array_equal(t.read_rows(ids, "pread"), rows[ids])
@@ -283,7 +303,7 @@ def test_without_io_uring(small_table, ggufs, monkeypatch, caplog):
         ids = np.arange(0, t.n_rows, 7)
         np.testing.assert_array_equal(t.gather(ids, "direct"), ref[ids])
         how = t._readers["direct"].how
-    if filesystem(small_table) not in readers.MEMORY_FILESYSTEMS:
+    if filesystem(small_table) not in direct.MEMORY_FILESYSTEMS:
         assert "io_uring_setup failed: Operation not permitted: native thread pool instead" in how
         assert any("native thread pool instead" in m for m in caplog.messages)
 
@@ -435,7 +455,7 @@ def test_buffered_exact_rows_read_runs_of_adjacent_rows_as_one_extent(small_tabl
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
-    monkeypatch.setattr(readers.os, "open", no_direct)
+    monkeypatch.setattr(direct.os, "open", no_direct)
     with gg.open_table(small_table, config=engine_only(engine="threads")) as t:
         rows = np.fromfile(small_table, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, t.row_bytes)
         ids = np.concatenate([np.arange(10, 150), [7, 200, 201, 202, 299, 11]])
@@ -446,9 +466,9 @@ def test_buffered_exact_rows_read_runs_of_adjacent_rows_as_one_extent(small_tabl
             seen = []
             real_submit = r._submit
 
-            def spy(o, ln, e, d, do, real_submit=real_submit):
+            def spy(o, ln, e, d, do, *more, real_submit=real_submit):
                 seen.append(o.shape[0])
-                return real_submit(o, ln, e, d, do)
+                return real_submit(o, ln, e, d, do, *more)
             monkeypatch.setattr(r, "_submit", spy)
             np.testing.assert_array_equal(t.read_rows(ids, backend), rows[ids])
             assert seen == [extents], (backend, seen)
@@ -493,7 +513,8 @@ def pages(tmp_path):
 
 @pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
 def test_work_during_io_runs_once_while_reads_are_in_flight(pages):
-    """Ring.read(between=f): f runs once, after the first submission and before the last completion is reaped;
+    """Ring.reads(pause=True): SUBMITTED comes once, after the first submission and before the last completion is
+    reaped (the caller's work `f` at that step);
     the rows are exact; an exception from f drains the ring, propagates, and the next read works."""
     fd, data, offs, lens, dst, addrs = pages(64, 3)
     with uring.Ring(64) as ring:
@@ -501,7 +522,7 @@ def test_work_during_io_runs_once_while_reads_are_in_flight(pages):
 
         def during():
             seen.append(ring.outstanding())
-        ring.read(fd, offs, lens, addrs, queue_depth=16, between=during)
+        _read_between(ring, fd, offs, lens, addrs, queue_depth=16, between=during)
         np.testing.assert_array_equal(dst, data)
         assert len(seen) == 1 and seen[0][0] == 0 and seen[0][1] > 0   # all taken by the kernel, some in flight
         assert ring.outstanding() == (0, 0)
@@ -509,7 +530,7 @@ def test_work_during_io_runs_once_while_reads_are_in_flight(pages):
         def boom():
             raise RuntimeError("boom")
         with pytest.raises(RuntimeError, match="boom"):
-            ring.read(fd, offs, lens, addrs, queue_depth=16, between=boom)
+            _read_between(ring, fd, offs, lens, addrs, queue_depth=16, between=boom)
         assert ring.outstanding() == (0, 0) and not ring.broken
         dst[:] = 0
         ring.read(fd, offs, lens, addrs, queue_depth=16)
@@ -519,7 +540,7 @@ def test_work_during_io_runs_once_while_reads_are_in_flight(pages):
 @pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
 @pytest.mark.parametrize("max_chunk", [None, 1024])
 def test_handover_sees_complete_extents_once_while_the_rest_are_read(pages, monkeypatch, max_chunk):
-    """Ring.read(handover=([n1, n2], f)): f runs once when at least n1 extents are complete and once more at n2,
+    """Ring.reads(marks=[n1, n2]): Complete comes once when at least n1 extents are complete and once more at n2,
     with the mask of the complete ones (their bytes already in place; the second mask covers the first), also when
     extents are cut into pieces and when completions come short (resubmitted); thresholds passed together give one
     call; an exception from f drains the ring and propagates."""
@@ -543,7 +564,7 @@ def test_handover_sees_complete_extents_once_while_the_rest_are_read(pages, monk
                 calls.append(done.copy())
                 for i in np.flatnonzero(done):      # a complete extent's bytes are all there
                     np.testing.assert_array_equal(dst[i * 4096:(i + 1) * 4096], data[i * 4096:(i + 1) * 4096])
-            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([72, 30], hand))
+            _read_marks(ring, fd, offs, lens, addrs, queue_depth=16, marks=[72, 30], hand=hand)
             ring.inject = None
             np.testing.assert_array_equal(dst, data)
             assert 1 <= len(calls) <= 2 and all(c.shape == (96,) and c.dtype == bool for c in calls)
@@ -551,30 +572,41 @@ def test_handover_sees_complete_extents_once_while_the_rest_are_read(pages, monk
             assert (calls[-1] >= calls[0]).all()
             assert ring.outstanding() == (0, 0)
         calls = []
-        ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([], hand))
-        ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([96, 95], hand))
+        _read_marks(ring, fd, offs, lens, addrs, queue_depth=16, marks=[], hand=hand)
+        _read_marks(ring, fd, offs, lens, addrs, queue_depth=16, marks=[96, 95], hand=hand)
         assert len(calls) == 1 and calls[0].all()           # (no thresholds: no call; two at the end: one)
 
         def boom(done):
             raise RuntimeError("boom")
         with pytest.raises(RuntimeError, match="boom"):
-            ring.read(fd, offs, lens, addrs, queue_depth=16, handover=([10], boom))
+            _read_marks(ring, fd, offs, lens, addrs, queue_depth=16, marks=[10], hand=boom)
         assert ring.outstanding() == (0, 0) and not ring.broken
 
 
-def test_direct_read_runs_during_io_once_on_every_engine(small_table):
+def test_direct_read_yields_in_flight_once_before_its_rows_on_every_engine(small_table):
+    """parts(plan): IN_FLIGHT once, before any rows (the caller's overlapped work), then Parts covering every row
+    once, exact; read(plan) gives the same rows as one array."""
     from gds_gather.io import measure
     cfgs = [gg.Config(engine="threads")] + ([gg.Config(engine="uring")] if uring.probe()[0] else [])
     for cfg in cfgs:
-        measure.evict_file(small_table)          # rows the page cache holds are copied, no read: no during_io
+        measure.evict_file(small_table)          # rows the page cache holds are copied, no read: no IN_FLIGHT
         with gg.open_table(small_table, config=cfg) as t:
             r = t._reader("direct")
-            calls = []
             plan = t.plan(np.arange(0, t.n_rows, 3))
-            got = r.read(plan, during_io=lambda: calls.append(1))
+            events, got = [], np.zeros((plan.n_unique, t.row_bytes), np.uint8)
+            seen = np.zeros(plan.n_unique, int)
+            with closing(r.parts(plan)) as steps:
+                for step in steps:
+                    if step is readers.IN_FLIGHT:
+                        events.append("in flight")
+                        continue
+                    events.append("part")
+                    step.rows.copy_to(got, step.positions)
+                    seen[step.positions] += 1
             raw = np.fromfile(small_table, np.uint8, t.n_bytes, offset=t.data_offset).reshape(t.n_rows, -1)
             np.testing.assert_array_equal(got, raw[plan.unique_rows])
-            assert calls == [1] and r.during_io is None
+            assert events.count("in flight") == 1 and events[0] == "in flight" and (seen == 1).all()
+            np.testing.assert_array_equal(r.read(plan), raw[plan.unique_rows])
 
 
 def test_staging_of_a_closed_reader_is_reused_once(small_table):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gds_gather.io import native
-from gds_gather.io import readers
+from gds_gather.io import direct
 
 
 @pytest.mark.parametrize("use_lib", [False, True], ids=["numpy", "native"])
@@ -26,8 +26,8 @@ def test_rows_at_of_no_rows_and_of_some(use_lib):
 def test_closing_an_fd_closed_elsewhere_is_quiet(tmp_path):
     (tmp_path / "f").write_bytes(b"x")
     fd = os.open(tmp_path / "f", os.O_RDONLY)
-    readers._close_fd(fd)
-    readers._close_fd(fd)                    # EBADF now: a finalizer after an explicit close
+    direct._close_fd(fd)
+    direct._close_fd(fd)                    # EBADF now: a finalizer after an explicit close
     try:
         os.fstat(fd)
         raise AssertionError("the fd is still open")

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather.io import native
-from gds_gather.cache import rowcache
-from gds_gather.cache.rowcache import HashIndex, RowCache, budget_for, capacity_for
+from gds_gather.cache import index, rowcache, sketch, store
+from gds_gather.cache.index import HashIndex
+from gds_gather.cache.rowcache import budget_for
+from gds_gather.cache.store import RowCache, capacity_for
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -121,8 +123,8 @@ def test_budget_config_and_env():
 @given(budget=st.integers(0, 1 << 24), row_bytes=st.integers(1, 20000))
 def test_capacity_footprint_fits_the_budget(budget, row_bytes):
     c = capacity_for(budget, row_bytes)
-    assert rowcache._footprint(c, row_bytes) <= budget or c == 0
-    assert rowcache._footprint(c + 1, row_bytes) > budget
+    assert store._footprint(c, row_bytes) <= budget or c == 0
+    assert store._footprint(c + 1, row_bytes) > budget
 
 
 @pytest.mark.parametrize("native_index", [False, True], ids=["numpy", "native"])
@@ -150,7 +152,7 @@ def test_hash_index_matches_a_dict(native_index, ops):
         want = np.array([model.get(int(x), -1) for x in probe])
         np.testing.assert_array_equal(idx.get(probe), want)
         assert idx.live == len(model)
-        assert idx.tombs == int((idx.keys == rowcache.TOMB).sum())
+        assert idx.tombs == int((idx.keys == index.TOMB).sum())
 
 
 def test_policy_protects_hits_and_keeps_frequent_rows():
@@ -169,7 +171,7 @@ def test_policy_protects_hits_and_keeps_frequent_rows():
 
 
 def capacity_budget(slots: int, row_bytes: int) -> int:
-    return rowcache._footprint(slots, row_bytes)
+    return store._footprint(slots, row_bytes)
 
 
 @pytest.mark.gpu
@@ -277,8 +279,8 @@ def test_hash_index_few_keys_path_agrees_with_the_vectorized_one():
             del truth[g]
     q = np.concatenate([np.fromiter(truth, np.int64, len(truth)), rng.integers(0, 1 << 40, 300)])
     want = np.array([truth.get(x, -1) for x in q.tolist()])
-    assert rowcache.SCALAR_MAX >= 1
-    few = np.concatenate([h.get(q[i:i + rowcache.SCALAR_MAX]) for i in range(0, q.shape[0], rowcache.SCALAR_MAX)])
+    assert index.SCALAR_MAX >= 1
+    few = np.concatenate([h.get(q[i:i + index.SCALAR_MAX]) for i in range(0, q.shape[0], index.SCALAR_MAX)])
     p = h.find(q)
     many = np.where(p >= 0, h.vals[np.maximum(p, 0)], -1)
     np.testing.assert_array_equal(few, want)
@@ -294,10 +296,11 @@ def test_lookup_few_rows_counts_as_the_vectorized_path(monkeypatch):
         rows = np.arange(0, 4000, 7)
         c.admit(rows, np.zeros((rows.shape[0], 16), np.uint8))
     for _ in range(3000):
-        q = np.unique(rng.integers(0, 4000, rng.integers(1, rowcache.SCALAR_MAX + 1)))
+        q = np.unique(rng.integers(0, 4000, rng.integers(1, index.SCALAR_MAX + 1)))
         got = a.lookup(q)
         with monkeypatch.context() as m:
-            m.setattr(rowcache, "SCALAR_MAX", 0)
+            m.setattr(store, "SCALAR_MAX", 0)       # RowCache's counting and HashIndex.get: the numpy paths
+            m.setattr(index, "SCALAR_MAX", 0)
             want = b.lookup(q)
         np.testing.assert_array_equal(got, want)
     assert (a.hits, a.misses, a._age) == (b.hits, b.misses, b._age) and a.hits > 0 and a.misses > 0
@@ -316,7 +319,7 @@ def test_the_sketch_counts_as_count_min_does(batches):
     if lib is None:
         pytest.skip("no native helpers (no C compiler)")
     width_hint = 1024                       # 1024 counters a row: collisions happen in long batches
-    fast, slow = rowcache.FreqSketch(width_hint, 10, lib=lib), rowcache.FreqSketch(width_hint, 10)
+    fast, slow = sketch.FreqSketch(width_hint, 10, lib=lib), sketch.FreqSketch(width_hint, 10)
     shift = 64 - (fast.width.bit_length() - 1)
     oracle = np.zeros((4, fast.width), np.int64)
     for keys in batches:
@@ -324,12 +327,12 @@ def test_the_sketch_counts_as_count_min_does(batches):
         fast.add(k)
         slow.add(k)
         for key in keys:
-            for d, seed in enumerate(int(s) for s in rowcache.SKETCH_SEEDS):
+            for d, seed in enumerate(int(s) for s in sketch.SKETCH_SEEDS):
                 c = ((key * seed) & ((1 << 64) - 1)) >> shift
                 oracle[d, c] = min(oracle[d, c] + 1, 255)
     np.testing.assert_array_equal(fast.table, oracle)
     assert (slow.table <= oracle).all()
     probe = np.array(sorted({x for b in batches for x in b}), np.int64)
-    at = [((probe.astype(np.uint64) * rowcache.SKETCH_SEEDS[d]) >> np.uint64(shift)).astype(np.int64) for d in range(4)]
+    at = [((probe.astype(np.uint64) * sketch.SKETCH_SEEDS[d]) >> np.uint64(shift)).astype(np.int64) for d in range(4)]
     np.testing.assert_array_equal(fast.estimate(probe), np.minimum.reduce([oracle[d, at[d]] for d in range(4)]))
     np.testing.assert_array_equal(slow.estimate(probe), np.minimum.reduce([slow.table[d, at[d]] for d in range(4)]))

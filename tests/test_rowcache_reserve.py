@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather.io import native
-from gds_gather.cache import rowcache
+from gds_gather.cache import rowcache, store
 from gds_gather.cache import source
 from gds_gather.config import Config
 from gds_gather.errors import ReadError
 from gds_gather.planner import plan_rows, replan, subplan
-from gds_gather.cache.rowcache import PENDING, RowCache
+from gds_gather.cache.store import PENDING, RowCache
 
 
 def _lib():
@@ -30,7 +30,7 @@ def _bytes(rows, rb=16):
 
 @pytest.mark.parametrize("use_lib", [False, True], ids=["numpy", "native"])
 def test_reserved_rows_are_misses_until_filled_then_hits_with_their_bytes(use_lib):
-    c = RowCache(row_bytes=16, budget=rowcache._footprint(8, 16), lib=_lib() if use_lib else None)
+    c = RowCache(row_bytes=16, budget=store._footprint(8, 16), lib=_lib() if use_lib else None)
     rows = np.array([3, 9, 40], np.int64)
     with c.lock:
         r = c.reserve(rows)
@@ -56,7 +56,7 @@ def test_reserved_rows_are_misses_until_filled_then_hits_with_their_bytes(use_li
 def test_a_row_another_reader_reserved_or_filled_since_a_find_is_never_admitted_twice():
     """find calls a row being read a miss; the reader that missed it must not give it a second slot, whether the
     other reader is still reading it or filled it meanwhile."""
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(8, 8))
     with c.lock:                                # as source.through: find, since(), later reserve(gen=)
         other = c.reserve(np.array([5, 6], np.int64))
         assert (c.find(np.array([5, 6], np.int64)) == -1).all()       # this reader misses them
@@ -79,7 +79,7 @@ def test_a_row_another_reader_reserved_or_filled_since_a_find_is_never_admitted_
 
 
 def test_a_reserved_slot_is_never_a_victim_and_a_given_back_one_is_reused():
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(4, 8))
     assert c.capacity == 4
     with c.lock:
         first = np.arange(4, dtype=np.int64)
@@ -102,7 +102,7 @@ def test_a_reservation_lost_unsettled_is_given_back_at_the_next_one():
     """A batch interrupted between its reservation and its settle (KeyboardInterrupt waiting for the lock) leaves
     pending slots no one owns: the next reservation takes them back, and the row can be cached again."""
     import gc
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(8, 8))
     with c.lock:
         c.reserve(np.array([1, 2], np.int64))      # the Reservation is dropped unsettled
         gc.collect()
@@ -121,7 +121,7 @@ def test_a_lost_reservation_is_given_back_beside_one_held_across_calls():
     """A prefetch holds its reservation between calls: the next reservation does not scan the slots while every
     pending one has its owner, and still takes back those of a reservation lost meanwhile."""
     import gc
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(8, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(8, 8))
     with c.lock:
         held = c.reserve(np.array([5], np.int64))
         c.reserve(np.array([1, 2], np.int64))      # lost
@@ -132,7 +132,7 @@ def test_a_lost_reservation_is_given_back_beside_one_held_across_calls():
 
 
 def test_a_cache_emptied_between_reserve_and_fill_takes_no_bytes():
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(4, 8))
     with c.lock:
         r = c.reserve(np.array([1, 2], np.int64))
     c.clear()
@@ -146,7 +146,7 @@ def test_a_cache_emptied_between_reserve_and_fill_takes_no_bytes():
 
 
 def test_an_interrupted_fill_empties_the_cache():
-    c = RowCache(row_bytes=8, budget=rowcache._footprint(4, 8))
+    c = RowCache(row_bytes=8, budget=store._footprint(4, 8))
 
     class Boom(native.RowsAt):
         def take(self, idx):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gds_gather.cache.rowcache import FreqSketch, RowCache
+from gds_gather.cache.sketch import FreqSketch
+from gds_gather.cache.store import RowCache
 
 ROW = 64
 

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 import gds_gather as gg
 from gds_gather.gpu import devcache
-from gds_gather.io import readers
+from gds_gather.gpu.cuda import CudaAccel
+from gds_gather.io import direct, readers
 from gds_gather.cache import source
-from gds_gather.cache.rowcache import RowCache
+from gds_gather.cache.store import RowCache
 
 from .test_devcache import emulate
 
@@ -78,13 +79,14 @@ def test_host_and_device_storage_make_the_same_decisions(table, batches, budget,
     with gg.open_table(path, config=CFG) as t:
         rb = t.row_bytes
         host = RowCache(row_bytes=rb, budget=budget, max_rows=N_ROWS)
-        dc = devcache.DeviceRowCache(RowCache(row_bytes=rb, budget=budget, store=False, max_rows=N_ROWS), 0)
+        dc = devcache.DeviceRowCache(RowCache(row_bytes=rb, budget=budget, store=False, max_rows=N_ROWS), 0,
+                                     CudaAccel())
         assert host.capacity == dc.index.capacity
         n_max = max(len(b) for b in batches)
         fresh = np.zeros(-(-n_max * rb // 8) * 8, np.uint8)
         pool = np.zeros(dc.fresh_base + fresh.size, np.uint8)
-        rh = (t.region.open(readers.DirectReader, t.config) if engine == "direct" else PlainReader(t))
-        rd = (t.region.open(readers.DirectReader, t.config) if engine == "direct" else PlainReader(t))
+        rh = (t.region.open(direct.DirectReader, t.config) if engine == "direct" else PlainReader(t))
+        rd = (t.region.open(direct.DirectReader, t.config) if engine == "direct" else PlainReader(t))
         io_h, io_d = _io(), _io()
         try:
             for b in batches:

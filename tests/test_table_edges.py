@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.gpu.accel import HostArray
+from gds_gather.gpu.host import HostArray
 from gds_gather.errors import BadIdsError, TruncatedFileError
 
 

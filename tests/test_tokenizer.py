@@ -17,12 +17,13 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gds_gather.errors import GatherError
 from gds_gather.formats.gguf_file import read_gguf
 from gds_gather.prefill.prompts import default_text, prompt_tokens
-from gds_gather.prefill.tokenizer import (
-    BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, GGUFTokenizer, TokenizerError, _bpe_merge, _bytes_to_unicode,
-    _compiled, _QWEN2, _regex_split, _spm_merge, tokenizer_name)
+from gds_gather.prefill.merges import bpe_merge, spm_merge
+from gds_gather.prefill.pretokenizer import QWEN2, bytes_to_unicode, compiled, regex_split
+from gds_gather.prefill.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, GGUFTokenizer, TokenizerError,
+                                          tokenizer_name)
 
 SP = "\u2581"
-B2U = _bytes_to_unicode()
+B2U = bytes_to_unicode()
 
 
 def write_tokenizer_gguf(path, model=None, tokens=None, *, types=None, scores=None, merges=None, pre=None,
@@ -107,7 +108,7 @@ def test_gpt2_hand_computed_ids(gpt2, text, want):
 
 def test_gpt2_byte_fallback(gpt2):
     # é = C3 A9 -> symbols Ã ©; the merge (Ã,©) has rank 6 but 'Ã©' is not a token: its bytes' tokens
-    assert _bpe_merge("Ã©", gpt2.ranks) == ["Ã©"]
+    assert bpe_merge("Ã©", gpt2.ranks) == ["Ã©"]
     assert gpt2.encode("é").tolist() == [0xC3, 0xA9]
     # characters with no merges at all are their byte symbols: 日 = E6 97 A5
     assert gpt2.encode("日").tolist() == [0xE6, 0x97, 0xA5]
@@ -134,13 +135,13 @@ def test_gpt2_keeps_repetition(gpt2):
 
 
 def test_unicode_classes_follow_llama_cpp():
-    pat = _compiled((_QWEN2,))
+    pat = compiled((QWEN2,))
     # \p{N} includes No/Nl (one piece each, like a digit); letters after a non-letter join it
-    assert _regex_split("x½Ⅻ 7é", pat) == ["x", "½", "Ⅻ", " ", "7", "é"]
+    assert regex_split("x½Ⅻ 7é", pat) == ["x", "½", "Ⅻ", " ", "7", "é"]
     # U+001C is not whitespace for llama.cpp (Python's \s would say it is): " \x1c" is one punctuation piece
-    assert _regex_split(" \x1cb", pat) == [" \x1c", "b"]
+    assert regex_split(" \x1cb", pat) == [" \x1c", "b"]
     # U+00A0 is whitespace, and a non-letter before letters joins them
-    assert _regex_split("a\u00a0b", pat) == ["a", "\u00a0b"]
+    assert regex_split("a\u00a0b", pat) == ["a", "\u00a0b"]
 
 
 def test_pre_tokenizers(tmp_path):
@@ -309,8 +310,8 @@ def test_merge_loops_match_the_reference():
             ranks.setdefault((p[:k], p[k:]), len(ranks))
         for _ in range(10):
             text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-            assert _spm_merge(text, ids, scores) == _ref_spm(text, ids, scores)
-            assert _bpe_merge(text, ranks) == _ref_bpe(text, ranks)
+            assert spm_merge(text, ids, scores) == _ref_spm(text, ids, scores)
+            assert bpe_merge(text, ranks) == _ref_bpe(text, ranks)
 
 
 def test_cuts_do_not_change_ids():

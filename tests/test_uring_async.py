@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from gds_gather.io import uring
+from gds_gather.io import uring, uring_groups
 from gds_gather.errors import ReadError
 
 pytestmark = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
@@ -45,7 +45,7 @@ def test_two_groups_in_flight_are_collected_in_either_order(raw, order):
     data, fd = raw
     a_blocks, b_blocks = [5, 0, 63, 17], [40, 41, 3]
     a, b = np.zeros(4 * SIZE, np.uint8), np.zeros(3 * SIZE, np.uint8)
-    with uring.Ring(8) as ring:
+    with uring_groups.GroupRing(8) as ring:
         for tag, dst, blocks in ((1, a, a_blocks), (2, b, b_blocks)):
             offs, lens, addrs = _group(dst, blocks)
             ring.start(tag, fd, offs, lens, addrs, lens)
@@ -61,7 +61,7 @@ def test_a_window_past_the_end_of_file_is_whole_when_expected_so(raw):
     data, fd = raw
     dst = np.zeros(2 * SIZE, np.uint8)
     offs, lens, addrs = _group(dst, [64, 2])            # block 64 holds only the file's last 1000 bytes
-    with uring.Ring(8) as ring:
+    with uring_groups.GroupRing(8) as ring:
         ring.start(3, fd, offs, lens, addrs, np.array([1000, SIZE]))
         assert ring.finish(3) is True
         ring.start(4, fd, offs, lens, addrs, lens)       # expecting a whole block there: short, so False
@@ -73,7 +73,7 @@ def test_failed_reads_make_the_group_false_and_leave_nothing_behind(raw):
     data, fd = raw
     dst = np.zeros(8 * SIZE, np.uint8)
     offs, lens, addrs = _group(dst, range(8))
-    with uring.Ring(16) as ring:
+    with uring_groups.GroupRing(16) as ring:
         ring.inject = lambda res, idx: np.where(idx == 5, -errno.EIO, res)
         ring.start(9, fd, offs, lens, addrs, lens)
         assert ring.finish(9) is False
@@ -88,7 +88,7 @@ def test_refusals(raw):
     _, fd = raw
     dst = np.zeros(8 * SIZE, np.uint8)
     offs, lens, addrs = _group(dst, range(8))
-    with uring.Ring(4) as ring:
+    with uring_groups.GroupRing(4) as ring:
         assert ring.finish(12) is False                  # never queued
         for bad in (0, 1 << 31):
             with pytest.raises(ValueError, match="bad tag"):
@@ -108,7 +108,7 @@ def test_refusals(raw):
 def test_an_exception_while_collecting_drains_every_group(raw):
     _, fd = raw
     a, b = np.zeros(4 * SIZE, np.uint8), np.zeros(4 * SIZE, np.uint8)
-    with uring.Ring(16) as ring:
+    with uring_groups.GroupRing(16) as ring:
         for tag, dst in ((1, a), (2, b)):
             offs, lens, addrs = _group(dst, range(4))
             ring.start(tag, fd, offs, lens, addrs, lens)

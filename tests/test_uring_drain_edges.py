@@ -6,15 +6,26 @@ from __future__ import annotations
 import errno
 import os
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 
-from gds_gather.io import uring
+from gds_gather.io import uring, uring_abi
 from gds_gather.errors import ReadError
 
 pytestmark = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
 
 N, SIZE = 4, 4096
+
+def _read_between(ring, *a, between, **kw):
+    """Ring.reads(pause=True) with `between` run at its SUBMITTED step: a caller's work while the reads are in
+    flight; an exception from it closes the generator (the ring drains)."""
+    with closing(ring.reads(*a, pause=True, **kw)) as steps:
+        for step in steps:
+            if step is uring.SUBMITTED:
+                between()
+
 
 
 @pytest.fixture()
@@ -34,9 +45,9 @@ def _leave_in_flight(ring, rfd, dst, monkeypatch):
 
     def boom():
         raise RuntimeError("caller's work failed")
-    monkeypatch.setattr(ring, "_drain", lambda path, timeout_s=60.0: None)
+    monkeypatch.setattr(ring, "drain", lambda path, timeout_s=60.0: None)
     with pytest.raises(RuntimeError, match="caller's work failed"):
-        ring.read(rfd, np.zeros(N, np.int64), np.full(N, SIZE, np.int64), addrs, path="pipe", between=boom)
+        _read_between(ring, rfd, np.zeros(N, np.int64), np.full(N, SIZE, np.int64), addrs, path="pipe", between=boom)
     monkeypatch.undo()
     assert ring.outstanding() == (0, N)
 
@@ -50,9 +61,9 @@ def test_drain_times_out_on_reads_that_never_complete(pipe, monkeypatch):
     r, w = pipe
     dst = np.zeros(N * SIZE, np.uint8)
     ring = uring.Ring(8)
-    assert ring.features & uring.FEAT_EXT_ARG, "this kernel waits without a timeout: the ETIME path is not run"
+    assert ring.features & uring_abi.FEAT_EXT_ARG, "this kernel waits without a timeout: the ETIME path is not run"
     _leave_in_flight(ring, r, dst, monkeypatch)
-    assert ring._drain("pipe", timeout_s=1.0) is None      # one 1 s wait ends with ETIME, then the deadline
+    assert ring.drain("pipe", timeout_s=1.0) is None      # one 1 s wait ends with ETIME, then the deadline
     assert ring.broken == "reads still in flight 1 s after a fault"
     assert ring.outstanding() == (0, N)
     with pytest.raises(ReadError, match=r"^t\.bin: the reader is unusable after an earlier fault \(reads still in "
@@ -88,7 +99,7 @@ def test_an_interrupt_while_draining_is_raised_after_the_drain(pipe, tmp_path, m
     ring = uring.Ring(8)
     _leave_in_flight(ring, r, dst, monkeypatch)
     payload = np.random.default_rng(2).integers(0, 256, N * SIZE, dtype=np.uint8)
-    real_wait, calls = ring._wait, []
+    real_wait, calls = ring.wait, []
 
     def interrupted_once(n):
         calls.append(n)
@@ -97,7 +108,7 @@ def test_an_interrupt_while_draining_is_raised_after_the_drain(pipe, tmp_path, m
         if len(calls) == 2:
             os.write(w, payload.tobytes())
         real_wait(n)
-    monkeypatch.setattr(ring, "_wait", interrupted_once)
+    monkeypatch.setattr(ring, "wait", interrupted_once)
     path = tmp_path / "file.bin"
     data = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
     data.tofile(path)
@@ -130,7 +141,7 @@ def test_a_drain_interrupted_every_time_gives_up(pipe, monkeypatch):
     def always(n):
         calls.append(n)
         raise KeyboardInterrupt
-    monkeypatch.setattr(ring, "_wait", always)
+    monkeypatch.setattr(ring, "wait", always)
     with pytest.raises(ReadError, match=r"unusable after an earlier fault \(interrupted too often while reaping "
                                         r"the reads in flight\); reopen the table$"):
         ring.read(r, np.zeros(1, np.int64), np.ones(1, np.int64), np.array([dst.ctypes.data], np.uint64),
@@ -185,7 +196,7 @@ def test_a_hook_that_closes_the_ring_then_fails(tmp_path):
         raise RuntimeError("hook failed after closing")
     try:
         with pytest.raises(RuntimeError, match="hook failed after closing"):   # not a TypeError from the drain
-            ring.read(fd, np.arange(8, dtype=np.int64) * SIZE, np.full(8, SIZE, np.int64),
+            _read_between(ring, fd, np.arange(8, dtype=np.int64) * SIZE, np.full(8, SIZE, np.int64),
                       np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(SIZE),
                       path=str(path), between=close_then_fail)
         assert ring.fd == -1

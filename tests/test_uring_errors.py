@@ -8,10 +8,12 @@ import errno
 import mmap
 import os
 
+from contextlib import closing
+
 import numpy as np
 import pytest
 
-from gds_gather.io import uring
+from gds_gather.io import uring, uring_abi
 from gds_gather.errors import ReadError
 
 pytestmark = pytest.mark.skipif(not uring.probe()[0], reason="io_uring unavailable here")
@@ -37,10 +39,22 @@ def raw(tmp_path):
     os.close(fd)
 
 
+def _read_between(ring, *a, between, **kw):
+    """Ring.reads(pause=True) with `between` run at its SUBMITTED step: a caller's work while the reads are in
+    flight; an exception from it closes the generator (the ring drains)."""
+    with closing(ring.reads(*a, pause=True, **kw)) as steps:
+        for step in steps:
+            if step is uring.SUBMITTED:
+                between()
+
+
 def _read_all(ring, fd, dst, path, n=64, size=4096, **kw):
     offs = np.arange(n, dtype=np.int64)[::-1] * size          # backwards: no two reads in file order
     addrs = np.uint64(dst.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(size)
-    ring.read(fd, offs, np.full(n, size, np.int64), addrs, path=path, **kw)
+    if "between" in kw:
+        _read_between(ring, fd, offs, np.full(n, size, np.int64), addrs, path=path, **kw)
+    else:
+        ring.read(fd, offs, np.full(n, size, np.int64), addrs, path=path, **kw)
     return offs
 
 
@@ -115,7 +129,7 @@ def test_drain_waits_without_ext_arg(tmp_path):
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         with uring.Ring(64) as ring:
-            ring.features &= ~uring.FEAT_EXT_ARG
+            ring.features &= ~uring_abi.FEAT_EXT_ARG
 
             def boom():
                 raise RuntimeError("caller's work failed")

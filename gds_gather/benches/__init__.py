@@ -17,16 +17,20 @@ evicted (POSIX_FADV_DONTNEED, checked with mincore); --drop-caches empties the w
 [FILE.png] (matplotlib with the Agg canvas: `pip install 'gds-gather[plot]'`); --json ends the output with one
 JSON line, and --quick makes a small run. Importable: storage_main(argv),
 gather_main(argv), prefill_main(argv) return the result dict.
+
+`gds-gather prefill --hf MODEL_DIR` (a transformers model, its table resident vs offloaded) is hf_ab's; the vLLM
+A/B is vllm_ab's.
 """
 from __future__ import annotations
 
 import argparse
 
 from ..config import Config
-from .gather import _gather_args, gather_pass, run_gather
+from .gather import _gather_args, run_gather
+from .gather_passes import gather_pass
 from .prefill import _prefill_args, run_prefill_bench
-from .report import (COUNT, DROP_CACHES_HELP, HOST_BACKENDS, data_dir, go_cold, human_size, median, median_run, out_dir,
-                     parse_size)
+from .report import COUNT, DROP_CACHES_HELP, HOST_BACKENDS, data_dir, go_cold, median, median_run, out_dir
+from ..units import human_size, parse_size
 from .storage import _storage_args, gdsio_line, run_storage, storage_file, storage_run
 
 __all__ = ["BENCHES", "HOST_BACKENDS", "add_arguments", "build_parser", "data_dir", "gather_main", "gather_pass",

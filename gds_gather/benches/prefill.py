@@ -6,11 +6,13 @@ from pathlib import Path
 
 from ..config import Config
 from ..io.measure import counter_name
-from .gather import cache_line, default_backends, empty_row_cache
+from .gather import default_backends
+from .gather_passes import empty_row_cache
+from .gather_report import cache_line
 from .plot import bars, figure, panel_series
 from .report import (TOKENS, UBATCH, HOST_BACKENDS, MiB, apply_cache_option, bench_facts, cold_method, go_cold,
-                     machine_title, fit, median, median_run, out_dir, print_header, ratio_line, target,
-                     write_result)
+                     machine_title, median, median_run, out_dir, print_header, ratio_line, target, write_result)
+from ..units import fit
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help="GGUF model (repeatable; default: the built-in qwen4exp model)")

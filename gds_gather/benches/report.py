@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from ..io import measure
-from ..cli import MAX_UBATCH, int_in
-from ..io.measure import fit
+from ..prefill.run import MAX_UBATCH
+from ..units import int_in
+from ..units import fit, parse_size
 from ..config import Config
 from ..model.synth import MAX_ROWS
 from ..prefill.prompts import MAX_TOKENS
@@ -29,22 +30,6 @@ COUNT = int_in(1, 2**31 - 1)
 ROWS = int_in(1, MAX_ROWS)
 TOKENS = int_in(1, MAX_TOKENS)
 UBATCH = int_in(1, MAX_UBATCH)
-
-
-def parse_size(s) -> int:
-    """'4K' -> 4096, '1M', '8G', '512' (bytes); binary units, an optional 'iB'/'B' suffix."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(s), re.I)
-    if not m:
-        raise ValueError(f"not a size: {s!r} (examples: 4K, 64K, 1M, 8G)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
-
-
-def human_size(n: int) -> str:
-    """4096 -> '4K', 16 MiB -> '16M', 8 GiB -> '8G' (exact multiples), else bytes."""
-    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
 
 
 def short_num(x: float) -> str:
@@ -195,7 +180,8 @@ def print_header(name: str, f: dict, extra=(), quick: bool = False) -> None:
               f"storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
               f"{f['logical_block']} B logical blocks",
               f"bytes    delivered = {f.get('delivered_method') or 'n/a (no /proc/self/io here)'}",
-              f"bytes    device = {f.get('device_method') or 'n/a (no block device under the file: tmpfs, overlay or network)'}"]
+              f"bytes    device = "
+              f"{f.get('device_method') or 'n/a (no block device under the file: tmpfs, overlay or network)'}"]
     lines += [line for line in extra if line]
     lines.append(f"tools    fio: {f['fio']}")
     for line in lines:

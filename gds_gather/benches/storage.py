@@ -15,8 +15,9 @@ from ..gpu import accel as accel_mod
 from ..io import measure
 from ..config import Config
 from .plot import bars, figure
-from .report import (COUNT, GiB, KiB, MiB, bench_facts, cold_method, data_dir, fit, go_cold, human_size,
-                     machine_title, median_run, out_dir, parse_size, print_header, write_result)
+from .report import (COUNT, GiB, KiB, MiB, bench_facts, cold_method, data_dir, go_cold, machine_title, median_run,
+                     out_dir, print_header, write_result)
+from ..units import fit, human_size, parse_size
 
 XFER = {"gpu-direct": "GPUD", "cpu-gpu": "CPU_GPU", "cpu": "CPUONLY"}
 STORAGE_PATHS = ("gpu-direct", "cpu-gpu", "cpu")

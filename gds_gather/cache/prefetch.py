@@ -28,8 +28,9 @@ import numpy as np
 from ..io import forksafe
 from ..io import native
 from . import rowcache
-from ..io import uring
+from .store import Reservation, RowCache
 from ..io.native import RowsAt
+from ..io.uring_groups import GroupRing
 from ..planner import ReadPlan, plan_unique
 from ..io.readers import Staging
 
@@ -53,8 +54,8 @@ def member(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class Job:
     tag: int
     plan: ReadPlan                  # the windows of the rows it reads, in staging
-    cache: rowcache.RowCache        # the cache its slots are reserved in (a later cache_for may be another)
-    reservation: rowcache.Reservation
+    cache: RowCache                 # the cache its slots are reserved in (a later cache_for may be another)
+    reservation: Reservation
     pos: np.ndarray                 # which of the reservation's rows it reads (those given a slot), in plan order
     staging: Staging
 
@@ -69,6 +70,7 @@ class Prefetcher:
         self.noted = np.empty(0, np.int64)      # rows handed over and not started yet
         self.riders = np.empty(0, np.int64)     # a wide next batch's misses: taken from the current read's windows
         self.jobs: list[Job] = []               # in flight, oldest first
+        self.deferred = None                    # rows of the read under way: the noted start once its reads are queued
         self.free: list[Staging] = []
         self.io = {"rows_prefetched": 0, "bytes_requested": 0}
         self.lib = native.library(table.config)[0]
@@ -86,7 +88,7 @@ class Prefetcher:
         with self.lock:
             self._after_fork()
             if self.ring is None:
-                self.ring = uring.Ring(RING_DEPTH)
+                self.ring = GroupRing(RING_DEPTH)
                 self.free = [Staging() for _ in range(DEPTH)]
 
     def note(self, ids: np.ndarray) -> int:
@@ -115,10 +117,10 @@ class Prefetcher:
             self.noted, self.riders = missing, np.empty(0, np.int64)
             return int(missing.shape[0])
 
-    def take_staged(self, rows: np.ndarray, cache: rowcache.RowCache) -> np.ndarray:
+    def take_staged(self, rows: np.ndarray, cache: RowCache) -> np.ndarray:
         """bool [len(rows)]: which of the sorted unique rows the reader's last read left whole in its staging
         (narrow rows share 4 KiB windows) and are now in the row cache, counted as prefetched: no request of their
-        own. Called without self.lock (the reader's lock comes first: a read calls also() under it)."""
+        own. Called without self.lock (the reader's lock comes first: a read starts deferred prefetches under it)."""
         taken = np.zeros(rows.shape[0], bool)
 
         def take(pos: np.ndarray, at: RowsAt) -> None:
@@ -131,30 +133,38 @@ class Prefetcher:
                 self.io["rows_prefetched"] += n
         return taken
 
-    def around(self, rows: np.ndarray, read):
-        """read(also): the table's read of the sorted unique `rows` through the row cache, with the prefetches'
-        part: the noted rows (less `rows`) are started before it where every one of `rows` is cached or being
-        read, else by also() once its own reads are queued (source.through), or after it; then the jobs holding
-        any of `rows` are collected, so the read finds those rows in the cache."""
+    def before(self, rows: np.ndarray) -> None:
+        """Before the table's read of the sorted unique `rows` through the row cache: the noted rows (less `rows`)
+        are started now where every one of `rows` is cached or being read, else deferred (start_deferred: once the
+        read's own reads are queued, source.through, or after it); then the jobs holding any of `rows` are
+        collected, so the read finds those rows in the cache."""
         with self.lock:
             self._after_fork()
+            self.deferred = None
             cache = rowcache.cache_for(self.table)
-            also = None
             if self.noted.shape[0] and cache is not None:
                 with cache.lock:
                     ready = bool((cache.cached(rows) >= 0).all())
                 if ready:
                     self._start(self.noted, rows)
                 else:
-                    also = _Once(lambda: self._start(self.noted, rows), self.lock)
+                    self.deferred = rows
             for job in [j for j in self.jobs if member(rows, j.plan.unique_rows).any()]:
                 self._finish(job)
-        out = read(also)
-        if also is not None:
-            also()
+
+    def start_deferred(self) -> None:
+        """Start the noted rows that before() deferred, once (the read's own reads are queued now)."""
+        with self.lock:
+            rows, self.deferred = self.deferred, None
+            if rows is not None:
+                self._start(self.noted, rows)
+
+    def after(self, rows: np.ndarray) -> None:
+        """After the table's read of `rows`: a start still deferred runs now; the riders its windows held are
+        taken."""
+        self.start_deferred()
         if self.riders.shape[0]:
             self._ride(rows)
-        return out
 
     def _ride(self, rows: np.ndarray) -> None:
         """The riders (less `rows`, the read's own) that the read's windows held: into the row cache."""
@@ -275,15 +285,3 @@ class Prefetcher:
                     s.close()
                 self.free = []
 
-
-class _Once:
-    """A callable that runs fn once, under lock."""
-
-    def __init__(self, fn, lock):
-        self.fn, self.lock = fn, lock
-
-    def __call__(self) -> None:
-        fn, self.fn = self.fn, None
-        if fn is not None:
-            with self.lock:
-                fn()

@@ -10,52 +10,49 @@ bytes live and where a batch's rows go:
   offsets, misses are read into the slot's pinned buffer (copy: the device copies them behind the slots) or into
   the slot's pool region (gds: cuFile), and admissions become device row copies. The result is a `Staged`.
 
-Host hits are copied while the misses' reads are in flight (reader.overlaps_io: during_io), and so is the cache's
-bookkeeping for the misses (reserve); a large read hands its first rows over while the rest is read (on_rows,
-readers.SPLIT_MIN), copied from the reader's staging straight to the result and to their reserved slots (fill).
-The host cache is shared by every Table of a file and its lock is not held while the hits are copied: a hit
-evicted meanwhile is read again (the copy checks each slot still holds its row). A device pool is lent to one
-holder at a time (devcache.acquire).
+The steps of one batch (`through`): look the rows up; read the misses (readers.parts_of), and at the step where
+the reads are in flight (IN_FLIGHT) copy the host hits and do the cache's bookkeeping for the misses
+(Admission.reserve, then the next batch's prefetch is started); each Part of the misses then goes to the result and
+into its reserved slot (Admission.fill); at the end the slots not filled go back (Admission.settle). A large read
+hands its first rows over while the rest is read (direct.SPLIT_MIN). The host cache is shared by every Table of a
+file and its lock is not held while the hits are copied: a hit evicted meanwhile is read again (the copy checks
+each slot still holds its row). A device pool is lent to one holder at a time (devcache.acquire).
 """
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..io.native import RowsAt
+from ..io.readers import IN_FLIGHT, parts_of
 from ..planner import ReadPlan, replan, subplan
 
 
 def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | None = None,
-            io: dict | None = None, also=None):
+            io: dict | None = None, ahead=None):
     """The unique rows of `plan` (or sorted unique `rows`, planned only if some miss: a decode step's all-hit
     look-up costs less than planning one row) through the cache of `store`: hits from it, misses read by `reader`
-    and offered to it, counted into `io` (default table.io; see Table.stats). also(): called once, when this
-    batch's reads are queued (with the cache's bookkeeping for them), or after the look-up when it reads nothing
-    (prefetch.py)."""
+    and offered to it, counted into `io` (default table.io; see Table.stats). ahead: the table's prefetches
+    (prefetch.Prefetcher) or None; its deferred start runs once this batch's reads are queued."""
     io = table.io if io is None else io
     index = store.index
     unique = plan.unique_rows if plan is not None else np.asarray(rows, np.int64)
     U = unique.shape[0]
-    early = None
-    with index.lock:
-        slots, g = index.find(unique), index.since()
+    with index.lock:                            # 1. look up
+        slots, gen = index.find(unique), index.since()
         hit = slots >= 0
         nh = int(np.count_nonzero(hit))
         if nh == U:
             index.count(unique, slots)
-            early = store.all_hits(slots)       # under the look-up's lock: no slot changes in between
+            all_hits = store.all_hits(slots)    # under the look-up's lock: no slot changes in between
     io["cache_hits"] += nh
     io["cache_misses"] += U - nh
     if nh == U:                 # no read follows (a read checks the file): hits must not outlive a change
         reader.check_file()
         io["rows_from_cache"] += nh
-        if also is not None:
-            also()
-        return early
-    missed = unique[~hit]
-    protect = slots[hit]
+        return all_hits
+    missed = unique[~hit]       # 2. read the misses, 3. admit them
     if plan is None:            # (the rows are sorted and unique: each plan is of the rows as given)
         plan_rows = table.plan
         mplan = table.plan(missed)
@@ -63,40 +60,52 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
         def plan_rows(r):
             return replan(plan, table.config, r)
         mplan = (subplan(plan, ~hit) or plan_rows(missed)) if nh else plan
-    held = []                   # the batch's reservation, once made
-
-    def reserve():
-        """Count the look-up and reserve slots for the misses the storage admits (not the rows this read copies
-        from the page cache unless store.admit_page_cache: reader.last_from_page_cache, known before the reads
-        are in flight): the cache's bookkeeping, done once while the reads are in flight where the reader allows;
-        then also()."""
-        if not held:
-            pc = None if store.admit_page_cache else reader.last_from_page_cache
-            with index.lock:
-                index.count(unique, slots)
-                held.append(index.reserve(missed, protect=protect, gen=g,
-                                          skip=pc if pc is not None and pc.shape[0] == missed.shape[0] else None))
-            if also is not None:
-                also()
-        return held[0]
-
-    def admit(pos: np.ndarray, fresh) -> np.ndarray:
-        """The misses at positions pos arrived (fresh: their bytes, a native.RowsAt, or None for an index-only
-        cache): into their reserved slots; returns the slot of each, -1 where not admitted."""
-        r = reserve()
-        with index.lock:
-            return index.fill(r, pos, fresh)
+    admission = Admission(index, unique, slots, missed, gen, store.admit_page_cache, ahead)
     pc0 = reader.rows_from_page_cache
     batch = store.batch(unique, slots, missed)
     try:
-        n_stale = batch.read(reader, mplan, admit, plan_rows, reserve)
+        n_stale = batch.read(reader, mplan, admission, plan_rows)
     finally:
-        if held:
-            with index.lock:
-                index.settle(held[0])
-    io["rows_from_cache"] += nh - n_stale
+        admission.settle()
+    io["rows_from_cache"] += nh - n_stale       # 4. count
     pc = count_reader(io, reader, pc0, U - nh + n_stale)
     return batch.result(nh, pc)
+
+
+class Admission:
+    """A batch's misses into the cache, in steps: reserve (slots for the misses, once, while the reads are in
+    flight where the reader allows: the look-up counted, the rows the reader copies from the page cache left out
+    unless admit_page_cache: reader.last_from_page_cache, known before the reads are in flight; then the next
+    batch's prefetch started), fill (each part's bytes into its slots) and settle (the slots not filled go back)."""
+
+    def __init__(self, index, unique, slots, missed, gen, admit_page_cache: bool, ahead):
+        self.index, self.unique, self.slots, self.missed, self.gen = index, unique, slots, missed, gen
+        self.admit_page_cache, self.ahead = admit_page_cache, ahead
+        self.reservation = None
+
+    def reserve(self, reader) -> None:
+        if self.reservation is not None:
+            return
+        pc = None if self.admit_page_cache else reader.last_from_page_cache
+        skip = pc if pc is not None and pc.shape[0] == self.missed.shape[0] else None
+        with self.index.lock:
+            self.index.count(self.unique, self.slots)
+            self.reservation = self.index.reserve(self.missed, protect=self.slots[self.slots >= 0], gen=self.gen,
+                                                  skip=skip)
+        if self.ahead is not None:
+            self.ahead.start_deferred()
+
+    def fill(self, reader, pos: np.ndarray, fresh) -> np.ndarray:
+        """The misses at positions pos arrived (fresh: their bytes, a native.RowsAt, or None for an index-only
+        cache): into their reserved slots; returns the slot of each, -1 where not admitted."""
+        self.reserve(reader)
+        with self.index.lock:
+            return self.index.fill(self.reservation, pos, fresh)
+
+    def settle(self) -> None:
+        if self.reservation is not None:
+            with self.index.lock:
+                self.index.settle(self.reservation)
 
 
 def count_reader(io: dict, reader, pc0: int, n: int) -> int:
@@ -134,55 +143,41 @@ class _HostBatch:
         self.cache, self.unique, self.slots, self.rows = cache, unique, slots, rows
         self.out = None
 
-    def read(self, reader, mplan: ReadPlan, admit, plan_rows, reserve) -> int:
-        """Read the misses (mplan) into the result, copy the hits beside them, reserve (cache bookkeeping) while
-        the reads are in flight; returns the hits read again (stale), planned by plan_rows(rows)."""
-        cache, unique, slots, rows = self.cache, self.unique, self.slots, self.rows
-        U, k = unique.shape[0], rows.shape[0]
-        if k == U:                   # every row missed: no hits to copy
-            def all_rows(pos, fresh):
-                if pos.shape[0] == U:            # one part: the reader's rows are the result
-                    self.out = fresh.array()
+    def read(self, reader, mplan: ReadPlan, admission: Admission, plan_rows) -> int:
+        """Read the misses (mplan) into the result, copy the hits beside them and make the cache's bookkeeping
+        while the reads are in flight; returns the hits read again (stale), planned by plan_rows(rows)."""
+        cache, unique, slots = self.cache, self.unique, self.slots
+        U, k = unique.shape[0], self.rows.shape[0]
+        every_row_missed = k == U               # no hits to copy: the reader's rows may be the result
+        if not every_row_missed:
+            self.out = np.empty((U, mplan.row_bytes), np.uint8)
+        miss_pos = np.flatnonzero(slots < 0)
+        stale = None                            # bool [U]: hits evicted before they were copied
+        with closing(parts_of(reader, mplan)) as steps:
+            for step in steps:
+                if step is IN_FLIGHT:           # the device reads: the CPU's share of the batch now
+                    if not every_row_missed:
+                        stale = cache.copy_hits(slots, unique, self.out)
+                    cache.prefault(k)
+                    admission.reserve(reader)
+                    continue
+                if stale is None and not every_row_missed:
+                    stale = cache.copy_hits(slots, unique, self.out)
+                if every_row_missed and step.positions.shape[0] == U:   # one part: the reader's rows
+                    self.out = step.rows.array()
                 else:
                     if self.out is None:
                         self.out = np.empty((U, mplan.row_bytes), np.uint8)
-                    fresh.copy_to(self.out, pos)
-                admit(pos, fresh)
-
-            def during_all():
-                cache.prefault(U)
-                reserve()
-            if reader.overlaps_io:
-                reader.read(mplan, during_io=during_all, on_rows=all_rows)
-            else:
-                all_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
+                    step.rows.copy_to(self.out, step.positions if every_row_missed else miss_pos[step.positions])
+                admission.fill(reader, step.positions, step.rows)
+        if every_row_missed:
             return 0
-        out = self.out = np.empty((U, mplan.row_bytes), np.uint8)
-        miss_pos = np.flatnonzero(slots < 0)
-        stale = []                   # [bool [U]: hits evicted before they were copied], once the hits are copied
-
-        def copy_hits():             # once, while the reads are in flight where the reader allows
-            if not stale:
-                stale.append(cache.copy_hits(slots, unique, out))
-
-        def during_io():
-            copy_hits()
-            cache.prefault(k)
-            reserve()
-
-        def on_rows(pos, fresh):     # the misses at pos (native.RowsAt); a first part comes while the rest is read
-            copy_hits()
-            fresh.copy_to(out, miss_pos[pos])
-            admit(pos, fresh)
-        if reader.overlaps_io:
-            reader.read(mplan, during_io=during_io, on_rows=on_rows)
-        else:
-            on_rows(np.arange(k), RowsAt.of(reader.read(mplan)))
-        copy_hits()                  # (no read was made: all from the page cache)
-        if not stale[0].any():
+        if stale is None:                       # (no part came: nothing to read)
+            stale = cache.copy_hits(slots, unique, self.out)
+        if not stale.any():
             return 0
-        out[stale[0]] = reader.read(plan_rows(unique[stale[0]]))
-        return int(stale[0].sum())
+        self.out[stale] = reader.read(plan_rows(unique[stale]))
+        return int(stale.sum())
 
     def result(self, hits: int, from_page_cache: int) -> np.ndarray:
         return self.out
@@ -228,7 +223,7 @@ class _DeviceBatch:
         self.offsets = np.where(slots >= 0, slots * store.index.row_bytes, 0)
         self.words, self.src, self.dst = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
 
-    def read(self, reader, mplan: ReadPlan, admit, plan_rows, reserve) -> int:
+    def read(self, reader, mplan: ReadPlan, admission: Admission, plan_rows) -> int:
         """Read the misses (mplan) into the slot's fresh buffer or pool region (a device pool is lent to one
         holder: no hit goes stale, plan_rows is not needed; the reservation is made at admission)."""
         st, rb, k = self.store, mplan.row_bytes, self.rows.shape[0]
@@ -241,7 +236,7 @@ class _DeviceBatch:
             reader.read_windows(mplan)
             fo = int(st.region) + mplan.row_staging
         self.offsets[self.slots < 0] = fo
-        new = admit(np.arange(k), None)
+        new = admission.fill(reader, np.arange(k), None)
         ok = new >= 0
         self.src, self.dst = fo[ok], new[ok] * rb
         return 0

@@ -5,7 +5,7 @@ from ..errors import BadDtypeError
 
 
 def kind(x) -> str:
-    """'numpy', 'torch' (CPU tensor), 'torch-cuda', 'cupy', or 'host-device' (accel.HostAccel's device memory),
+    """'numpy', 'torch' (CPU tensor), 'torch-cuda', 'cupy', or 'host-device' (host.HostAccel's device memory),
     without importing torch or cupy."""
     mod = type(x).__module__.split(".")[0]
     if mod == "cupy":

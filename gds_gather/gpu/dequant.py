@@ -1,14 +1,13 @@
-"""Dequant-scatter of quantized GGUF rows on the GPU, and the same CUDA C++ built for the host.
+"""Dequant-scatter of quantized GGUF rows on the GPU: compile, launch, and the checks of a launch's arguments.
 
 The kernels (``kernels/dequant.cuh``, ``kernels/gather.cu``) read quantized rows from a staging buffer, map
 each output row to its unique row through the planner's inverse map, dequantize every GGUF type gguf can
 dequantize, at any valid width, optionally scale, and write float32, float16 or bfloat16, either flat
 ``[n, row_elems]`` or in gemma's per-layer layout ``[n_layer, n, row_elems // n_layer]``.
 
-GPU path: compiled once per process and type with CuPy's RawModule (NVRTC, ``name_expressions``), launched on
-the caller's stream, never synchronizing. Host path: ``kernels/host_check.cu`` compiled with g++ (or nvcc)
-into a small shared library loaded with ctypes; it runs the very same per-type dequantizers and the gather's
-per-item routine, which is how the kernels are checked bit for bit on machines without a GPU.
+Compiled once per process and type (nvrtc.py: CuPy's RawModule, ``name_expressions``) from the translation unit
+of tables.py (the lookup tables from gguf), launched on the caller's stream, never synchronizing. The same
+source built for the host, and the numpy oracle, are host_kernels.py.
 
 Exactness: every type follows gguf.quants' float32 operation order. Products followed by an add are exact
 (fp16 scale x small integer), so FMA contraction cannot change a result, and the sources are compiled without
@@ -23,123 +22,27 @@ cupy and torch are imported lazily; nothing here imports them at module import t
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gq
+from gguf import GGMLQuantizationType
 
-from . import arrays
+from . import arrays, nvrtc
+from .tables import source, table_blob
 from ..formats import quants
-from ..errors import BackendError, RowWidthError, UnsupportedTypeError
+from ..errors import RowWidthError
 
 Q = GGMLQuantizationType
 
-KERNEL_SOURCES = ("dequant.cuh", "gather.cu")
-HOST_SOURCE = "host_check.cu"
-# NVRTC options: no FMA contraction, denormals kept. CuPy appends -ftz=true after these (cupy/cuda/compiler.py),
-# and the last -ftz wins; the kernels do not depend on it (see dequant.cuh, gg_mul).
-NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false")
-# hiprtc (cupy's ROCm build) takes clang options; cupy appends -fcuda-flush-denormals-to-zero, which the kernels
-# do not depend on either (gg_mul keeps subnormals on HIP in integer arithmetic; see dequant.cuh).
-HIPRTC_OPTIONS = ("-std=c++17", "-ffp-contract=off")
-# g++ options for the host check: no contraction, no fast math (x86-64 float math is SSE: no excess precision).
-HOST_CXX_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 OUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
 BLOCK = 256          # threads per CTA (GG_BLOCK in gather.cu)
 ITEM = 8             # elements per thread work item
 ITEMS_PER_CTA = 2048  # work per CTA when the gather is large enough to fill the GPU
 LAYOUTS = ("flat", "per_layer")
-
-
-# ---- tables from gguf ------------------------------------------------------------------------------------------
-def _small_ints(cls, dtype) -> np.ndarray:
-    """A gguf grid (float32 values that are small integers) as exact integers, [rows, cols]."""
-    cls.init_grid()
-    g = np.asarray(cls.grid, np.float32).reshape(cls.grid_shape)
-    out = g.astype(dtype)
-    if not np.array_equal(out.astype(np.float32), g):
-        raise AssertionError(f"gguf {cls.__name__} grid does not fit {np.dtype(dtype).name}")
-    return np.ascontiguousarray(out)
-
-
-@functools.cache
-def _grids() -> tuple[tuple[str, np.ndarray], ...]:
-    iq1s = _small_ints(gq.IQ1_S, np.int8)
-    if not np.array_equal(_small_ints(gq.IQ1_M, np.int8), iq1s):
-        raise AssertionError("gguf IQ1_M and IQ1_S grids differ; the kernels share one iq1s grid")
-    return (
-        ("IQ2XXS", _small_ints(gq.IQ2_XXS, np.uint8)),     # [256, 8]  values 8, 25, 43
-        ("IQ2XS", _small_ints(gq.IQ2_XS, np.uint8)),       # [512, 8]
-        ("IQ2S", _small_ints(gq.IQ2_S, np.uint8)),         # [1024, 8]
-        ("IQ3XXS", _small_ints(gq.IQ3_XXS, np.uint8)),     # [256, 4]  4..62
-        ("IQ3S", _small_ints(gq.IQ3_S, np.uint8)),         # [512, 4]  1..15
-        ("IQ1S", iq1s),                                    # [2048, 8] -1, 0, 1
-        ("KSIGNS", np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()),      # [128]
-        ("KV_IQ4NL", np.array(gq.IQ4_NL.kvalues, np.int8)),                 # [16]
-        ("KV_MXFP4", np.array(gq.MXFP4.kvalues, np.int8)),
-        ("KV_NVFP4", np.array(gq.NVFP4.kvalues, np.int8)),
-        ("IQ1S_DELTA", np.array([gq.IQ1_S.delta], np.float32)),
-        ("IQ1M_DELTA", np.array([gq.IQ1_M.delta], np.float32)),
-    )
-
-
-def grids() -> dict[str, np.ndarray]:
-    """Every lookup table the kernels use, built from gguf.quants: name -> array (copies).
-
-    IQ grids are the gguf grids as exact small integers (uint8, or int8 for IQ1), ``KSIGNS`` is
-    ``IQ2_XXS.ksigns``, ``KV_*`` the int8 kvalues, ``IQ1*_DELTA`` gguf's float32 deltas.
-    """
-    return {name: arr.copy() for name, arr in _grids()}
-
-
-@functools.cache
-def _blob() -> tuple[np.ndarray, tuple[tuple[str, int], ...]]:
-    parts, offsets, at = [], [], 0
-    for name, arr in _grids():
-        raw = np.ascontiguousarray(arr).view(np.uint8).ravel()
-        offsets.append((name, at))
-        parts.append(raw)
-        pad = -(at + raw.size) % 16
-        parts.append(np.zeros(pad, np.uint8))
-        at += raw.size + pad
-    blob = np.concatenate(parts)
-    blob.setflags(write=False)
-    return blob, tuple(offsets)
-
-
-def table_blob() -> np.ndarray:
-    """All tables in one read-only uint8 array (each at a 16-byte aligned offset), as the kernels read them."""
-    return _blob()[0]
-
-
-def defines() -> dict[str, int]:
-    """The C preprocessor defines the sources need: GG_OFF_<NAME> = byte offset of each table in table_blob()."""
-    return {f"GG_OFF_{name}": off for name, off in _blob()[1]}
-
-
-def _read_source(name: str) -> str:
-    from .kernel_sources import source
-    return source(name)
-
-
-@functools.cache
-def source() -> str:
-    """The complete NVRTC translation unit: defines, dequant.cuh, then gather.cu."""
-    head = "".join(f"#define {k} {v}\n" for k, v in defines().items())
-    body = "".join(_read_source(n).replace("#pragma once\n", "") + "\n" for n in KERNEL_SOURCES)
-    return head + body
 
 
 # ---- names -----------------------------------------------------------------------------------------------------
@@ -169,25 +72,15 @@ def kernel_names(qtype) -> tuple[str, ...]:
 
 # ---- GPU: compile, tables, launch ----------------------------------------------------------------------------------
 def _cupy():
-    try:
-        import cupy
-    except ImportError as e:
-        raise BackendError("the GPU gather needs cupy (pip install 'gds-gather[cuda13]' or '[cuda12]')") from e
-    return cupy
+    return nvrtc.cupy()
 
 
-@functools.cache
 def module(qtype):
-    """The cached cupy.RawModule holding the kernels of one type (compiled by NVRTC on first use, per device).
+    """The cupy.RawModule holding the kernels of one type (nvrtc.module: compiled on first use, then cached).
 
-    One module per type keeps a process from compiling the 25 types it never gathers; CuPy also caches the
-    binary on disk, so a later process only loads it.
+    One module per type keeps a process from compiling the 25 types it never gathers.
     """
-    cp = _cupy()
-    qt = quants.check_supported(qtype)
-    hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
-    return cp.RawModule(code=source(), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS,
-                        name_expressions=kernel_names(qt))
+    return nvrtc.module(source(), kernel_names(quants.check_supported(qtype)))
 
 
 @functools.cache
@@ -245,7 +138,7 @@ def _kind(x, what: str) -> str:
 
 def _describe(x, what: str, host: bool = False):
     """(kind, data pointer, dtype name, shape, device id) of a cupy array / torch CUDA tensor; contiguous only.
-    host=True: of HostAccel's arrays instead (numpy / accel.HostArray / torch CPU tensors; device -1)."""
+    host=True: of HostAccel's arrays instead (numpy / host.HostArray / torch CPU tensors; device -1)."""
     if host:
         k = arrays.kind(x)
         if k == "torch":
@@ -283,7 +176,9 @@ def _stream_handle(stream, kind: str, device_id: int) -> int:
     raise TypeError(f"stream must be a torch or cupy stream, a raw handle (int) or None, got {stream!r}")
 
 
-def _geometry(qtype, row_elems: int, layout: str, n_layer):
+def geometry(qtype, row_elems: int, layout: str, n_layer):
+    """(type, bytes per row, elements per output segment) of a gather; RowWidthError for a width the kernels
+    cannot take."""
     qt = quants.check_supported(qtype)
     row_elems = int(row_elems)
     rb = quants.row_bytes(qt, row_elems)                 # raises RowWidthError
@@ -307,7 +202,7 @@ def _out_shape(inv_shape: tuple, n: int, row_elems: int, seg: int, layout: str) 
 def output_shape(inv_shape: tuple, qtype, row_elems: int, layout: str = "flat", n_layer=None) -> tuple:
     """The shape gather_rows gives for ids of `inv_shape` (flat: inv_shape + (row_elems,); per_layer:
     (n_layer, N, row_elems // n_layer))."""
-    _, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    _, _, seg = geometry(qtype, row_elems, layout, n_layer)
     return _out_shape(tuple(inv_shape), math.prod(inv_shape), int(row_elems), seg, layout)
 
 
@@ -434,7 +329,7 @@ class Launch:
 def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", layout="flat", n_layer=None,
                  host: bool = False) -> Launch:
     """The checks gather_rows makes on its arguments (kinds, dtypes, one device, the type and geometry), and what
-    the launch needs; host=True for HostAccel's arrays (accel.HostAccel.gather makes the same checks)."""
+    the launch needs; host=True for HostAccel's arrays (host.HostAccel.gather makes the same checks)."""
     kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse", host)
     if inv_dtype not in INDEX_CTYPES:
         raise TypeError(f"inverse must be int32 or int64, got {inv_dtype}")
@@ -446,7 +341,7 @@ def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="floa
         raise TypeError(f"row_offsets must be a 1-D int64 array, got {off_dtype} {off_shape}")
     if {st_dev, off_dev} != {dev}:
         raise ValueError(f"staging, row_offsets and inverse must be on one device, got {st_dev}, {off_dev}, {dev}")
-    qt, _, seg = _geometry(qtype, row_elems, layout, n_layer)
+    qt, _, seg = geometry(qtype, row_elems, layout, n_layer)
     n = math.prod(inv_shape)
     return Launch(kind, st_ptr, off_ptr, inv_ptr, inv_dtype, dev, qt, seg, int(row_elems), arrays.dtype_name(dtype),
                   n, _out_shape(inv_shape, n, int(row_elems), seg, layout))
@@ -460,176 +355,3 @@ def check_out(out, g: Launch, host: bool = False) -> int:
         raise ValueError(f"out must be {g.name} of shape {g.shape} on device {g.dev}, "
                          f"got {out_dtype} {tuple(out_shape)} on {out_dev}")
     return out_ptr
-
-
-# ---- host: the same source through a C++ compiler -------------------------------------------------------------
-def _host_compiler() -> list[str] | None:
-    for cxx in ("g++", "c++", "clang++"):
-        path = shutil.which(cxx)
-        if path:
-            return [path, "-x", "c++", *HOST_CXX_FLAGS]
-    nvcc = shutil.which("nvcc")
-    if nvcc:   # nvcc's host path: the .cu is compiled for the host (the kernels too, which is harmless)
-        return [nvcc, "-std=c++17", "-O2", "--fmad=false", "-Xcompiler", "-fPIC,-ffp-contract=off", "-shared",
-                "-x", "cu"]
-    return None
-
-
-def host_compiler_available() -> bool:
-    return _host_compiler() is not None
-
-
-_host_lock = threading.Lock()
-
-
-@functools.cache
-def host_library(soft_mul: bool = False) -> ctypes.CDLL:
-    """The host build of the kernels (kernels/host_check.cu), compiled once and cached by content hash.
-
-    soft_mul=True builds gg_mul the way HIP devices run it (hardware multiply only where every value is normal,
-    the integer IEEE multiply otherwise), so the ROCm path is checked bit for bit here too.
-    """
-    cmd = _host_compiler()
-    if cmd is None:
-        raise BackendError("building the host check of the CUDA kernels needs a C++ compiler (g++, clang++) or nvcc")
-    files = {n: _read_source(n) for n in (*KERNEL_SOURCES, HOST_SOURCE)}
-    flags = [f"-D{k}={v}" for k, v in defines().items()] + (["-DGG_SOFT_MUL=1"] if soft_mul else [])
-    key = hashlib.sha256(repr((cmd, flags, sorted(files.items()))).encode()).hexdigest()[:20]
-    cache = Path(tempfile.gettempdir()) / f"gds_gather-{os.getuid() if hasattr(os, 'getuid') else 'u'}"
-    lib = cache / f"gg_host_{key}.so"
-    with _host_lock:
-        if not lib.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                for n, text in files.items():
-                    Path(tmp, n).write_text(text, encoding="utf-8")
-                built = Path(tmp, "lib.so")
-                res = subprocess.run([*cmd, *flags, "-o", str(built), str(Path(tmp, HOST_SOURCE))],
-                                     capture_output=True, text=True, cwd=tmp)
-                if res.returncode:
-                    raise BackendError(f"host build of the kernels failed ({' '.join(cmd[:1])}):\n{res.stderr[-4000:]}")
-                os.replace(built, lib)               # atomic: concurrent builders each publish a whole file
-    dll = ctypes.CDLL(str(lib))
-    c_p, i64, i32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-    dll.gg_geometry.argtypes = [i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
-    dll.gg_host_dequant.argtypes = [i32, c_p, i64, c_p, c_p]
-    dll.gg_host_gather.argtypes = [i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32, ctypes.c_float, i32]
-    for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather):
-        f.restype = i32
-    dll.gg_host_mul.argtypes = [c_p, c_p, c_p, i64]
-    dll.gg_host_mul.restype = None
-    return dll
-
-
-def host_mul(a: np.ndarray, b: np.ndarray, soft_mul: bool = False) -> np.ndarray:
-    """The kernels' gg_mul over float32 arrays, run on the host (soft_mul: as HIP devices compute it)."""
-    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
-    if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {a.shape} and {b.shape}")
-    out = np.empty_like(a)
-    host_library(soft_mul).gg_host_mul(_ptr(a), _ptr(b), _ptr(out), a.size)
-    return out
-
-
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
-def host_geometry(qtype) -> tuple[int, int]:
-    """(elements, bytes) per block as the CUDA source defines them (tests compare with gguf)."""
-    qk, ts = ctypes.c_int(), ctypes.c_int()
-    if host_library().gg_geometry(int(quants.qtype_of(qtype)), ctypes.byref(qk), ctypes.byref(ts)):
-        raise UnsupportedTypeError(f"{quants.qtype_of(qtype).name} is not in the CUDA source")
-    return qk.value, ts.value
-
-
-def host_dequantize(blocks: np.ndarray, qtype, soft_mul: bool = False) -> np.ndarray:
-    """The CUDA block dequantizers run on the host: uint8 [..., k * type_size] -> float32 [..., k * block_size].
-
-    Same shape convention as gguf.quants.dequantize, and (by construction and test) the same bits.
-    """
-    qt = quants.check_supported(qtype)
-    block, size = GGML_QUANT_SIZES[qt]
-    raw = np.ascontiguousarray(blocks)
-    if raw.dtype != np.uint8:
-        raise TypeError(f"host_dequantize takes uint8 blocks, got {raw.dtype}")
-    if raw.ndim == 0 or raw.shape[-1] % size:
-        raise RowWidthError(f"{qt.name}: last dimension ({raw.shape}) is not a multiple of {size} bytes")
-    n_blocks = raw.size // size
-    out = np.empty(raw.shape[:-1] + (raw.shape[-1] // size * block,), np.float32)
-    if n_blocks:
-        rc = host_library(soft_mul).gg_host_dequant(int(qt), _ptr(raw), n_blocks, _ptr(table_blob()), _ptr(out))
-        if rc:
-            raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
-    return out
-
-
-def _check_host_args(staging, row_offsets, inverse, rb: int):
-    staging = np.ascontiguousarray(staging)
-    offs = np.ascontiguousarray(row_offsets)
-    inv = np.ascontiguousarray(inverse)
-    if staging.dtype != np.uint8:
-        raise TypeError(f"staging must be uint8, got {staging.dtype}")
-    if offs.dtype != np.int64 or offs.ndim != 1:
-        raise TypeError(f"row_offsets must be a 1-D int64 array, got {offs.dtype} {offs.shape}")
-    if inv.dtype.name not in INDEX_CTYPES:
-        raise TypeError(f"inverse must be int32 or int64, got {inv.dtype}")
-    if offs.size and (offs.min() < 0 or offs.max() + rb > staging.size):
-        raise IndexError(f"row_offsets reach outside the {staging.size}-byte staging buffer")
-    if inv.size and (inv.min() < 0 or inv.max() >= offs.size):
-        raise IndexError(f"inverse values must lie in [0, {offs.size})")
-    return staging, offs, inv
-
-
-def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None, layout="flat",
-                n_layer=None, soft_mul: bool = False) -> np.ndarray:
-    """gather_rows' kernel body run on the host over numpy arrays (bounds-checked), for tests and debugging.
-
-    Returns float32 / float16 numpy arrays, or uint16 holding bfloat16 bits.
-    """
-    qt, rb, seg = _geometry(qtype, row_elems, layout, n_layer)
-    row_elems = int(row_elems)
-    staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
-    name = arrays.dtype_name(dtype)
-    n = inv.size
-    out = np.empty(_out_shape(inv.shape, n, row_elems, seg, layout),
-                   {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[name])
-    if n:
-        rc = host_library(soft_mul).gg_host_gather(
-            int(qt), OUT_DTYPES[name], int(inv.dtype == np.int64), _ptr(staging), _ptr(offs), _ptr(inv), _ptr(out),
-            _ptr(table_blob()), n, row_elems, seg, 1.0 if scale is None else float(np.float32(scale)),
-            int(scale is not None))
-        if rc:
-            raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
-    return out
-
-
-# ---- the numpy oracle ---------------------------------------------------------------------------------------------
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), round to nearest even: gguf's BF16 quantizer (= torch .to(bfloat16))."""
-    x = np.ascontiguousarray(x, np.float32)
-    return gq.quantize(x, Q.BF16).view(np.uint16).reshape(x.shape)
-
-
-def reference_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None,
-                     layout="flat", n_layer=None) -> np.ndarray:
-    """What gather_rows must produce, from gguf.quants.dequantize and numpy (numpy arrays in, numpy out)."""
-    qt, rb, seg = _geometry(qtype, row_elems, layout, n_layer)
-    row_elems = int(row_elems)
-    staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
-    rows = staging[offs[:, None] + np.arange(rb)] if offs.size else np.zeros((0, rb), np.uint8)
-    f32 = quants.dequantize_rows(rows, qt, row_elems)
-    if scale is not None:
-        f32 = f32 * np.float32(scale)
-    f32 = f32[inv.ravel()]
-    name = arrays.dtype_name(dtype)
-    if name == "float16":
-        with np.errstate(over="ignore"):
-            res = f32.astype(np.float16)
-    elif name == "bfloat16":
-        res = bf16_bits(f32)
-    else:
-        res = f32
-    if layout == "flat":
-        return res.reshape(inv.shape + (row_elems,))
-    return np.ascontiguousarray(res.reshape(inv.size, row_elems // seg, seg).transpose(1, 0, 2))

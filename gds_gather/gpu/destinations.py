@@ -20,7 +20,7 @@ from . import devcache
 from ..cache import rowcache
 from ..cache import source
 from ..errors import StagingCapacityError
-from ..io.readers import HOST_READERS
+from ..io.direct import HOST_READERS
 from .schedule import check_fits
 
 log = logging.getLogger(__name__)

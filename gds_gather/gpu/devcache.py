@@ -36,6 +36,7 @@ import threading
 
 import numpy as np
 
+from . import kernel_sources, nvrtc
 from ..cache import rowcache
 from .arrays import cupy_stream
 
@@ -54,10 +55,8 @@ def _up(x: int, a: int) -> int:
 class DeviceRowCache:
     """The index (host) and the pool (device) of one cache; `fresh_base` is where the fresh area starts."""
 
-    def __init__(self, index: rowcache.RowCache, device_id: int, key=None, accel=None):
-        from .accel import get
-        self.index, self.device_id, self.key = index, device_id, key
-        self.accel = accel or get("cuda")
+    def __init__(self, index: rowcache.RowCache, device_id: int, accel, key=None):
+        self.index, self.device_id, self.accel, self.key = index, device_id, accel, key
         self.row_bytes = index.row_bytes
         self.cache_bytes = index.capacity * index.row_bytes
         self.fresh_base = _up(self.cache_bytes, FRESH_ALIGN)
@@ -76,17 +75,17 @@ class DeviceRowCache:
         self.index.clear()
 
 
-def acquire(table, device_id: int, accel=None) -> DeviceRowCache | None:
+def acquire(table, device_id: int, accel) -> DeviceRowCache | None:
     """This table's device cache on `device_id` of `accel` (None when the budget is 0 or the backend has no
     cache)."""
     budget = rowcache.budget_for(table.config.cache_bytes, table.n_bytes)
     if budget <= 0 or rowcache.capacity_for(budget, table.row_bytes) == 0:
         return None
-    key = rowcache.cache_key(table, budget) + (accel.name if accel else "cuda", int(device_id))
+    key = rowcache.cache_key(table, budget) + (accel.name, int(device_id))
 
     def new(k):
         return DeviceRowCache(rowcache.RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
-                                                store=False, max_rows=table.n_rows), int(device_id), k, accel)
+                                                store=False, max_rows=table.n_rows), int(device_id), accel, k)
     with _LOCK:
         for k in [k for k, v in _POOLS.items() if k[0] == key[0] and k[1] != key[1] and not v.in_use]:
             del _POOLS[k]                                   # same path, another file identity: stale
@@ -128,21 +127,11 @@ def drop_all() -> None:
 # -- the device side -------------------------------------------------------------------------------------------
 
 @functools.cache
-def _module(device_id: int):
-    import cupy as cp
-    from .dequant import HIPRTC_OPTIONS, NVRTC_OPTIONS
-    from .kernel_sources import source
-    hip = bool(getattr(cp.cuda.runtime, "is_hip", False))
-    with cp.cuda.Device(device_id):
-        return cp.RawModule(code=source("copy.cu"), options=HIPRTC_OPTIONS if hip else NVRTC_OPTIONS)
-
-
-@functools.cache
 def _function(device_id: int, name: str):
     """A kernel of copy.cu, looked up once (the eager warm-up steps do it, never a captured one)."""
     import cupy as cp
     with cp.cuda.Device(device_id):
-        return _module(device_id).get_function(name)
+        return nvrtc.module(kernel_sources.source("copy.cu"), device_id=device_id).get_function(name)
 
 
 def _grid(n: int) -> int:

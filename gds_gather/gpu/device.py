@@ -1,4 +1,4 @@
-"""The CUDA-side pieces behind accel.CudaAccel that are more than one call: page-locking (and GPU-mapping) a
+"""The CUDA-side pieces behind cuda.CudaAccel that are more than one call: page-locking (and GPU-mapping) a
 reader's staging, a device view of mapped host memory, KvikIO's configuration, and the cuFile reader of the "gds"
 destination (destinations.py), which reads windows straight into device memory (real GPU-direct where the driver
 has it, KvikIO's compat path otherwise). Nothing here is imported on the CPU path.
@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import BackendError, ReadError
 from ..planner import ReadPlan
-from ..io.readers import GDS_ALIGN, check_file
+from ..io.readers import GDS_ALIGN, check_file, default_threads
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def read_runs(plan: ReadPlan, file_size: int):
 
 
 class GdsReader:
-    """KvikIO/cuFile (accel.cufile): aligned windows read straight into device memory.
+    """KvikIO/cuFile (Accel.cufile): aligned windows read straight into device memory.
 
     KvikIO's Python API takes one call per read: a plan's runs of adjacent windows are one pread each
     (`read_runs`), every one submitted before any is waited for, each split across KvikIO's thread pool. Windows
@@ -152,10 +152,8 @@ class GdsReader:
     rows_from_page_cache = 0
     last_from_page_cache = None
 
-    def __init__(self, path, data_offset, n_bytes, *, config, file_id, accel=None):
-        from .accel import get
-        from ..io.readers import default_threads
-        self.accel = accel or get("cuda")
+    def __init__(self, path, data_offset, n_bytes, *, config, file_id, accel):
+        self.accel = accel
         self.path, self.config, self.file_id = Path(path), config, file_id
         self.data_offset, self.n_bytes, self.file_size = int(data_offset), int(n_bytes), int(file_id[2])
         threads = default_threads(config)

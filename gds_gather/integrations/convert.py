@@ -8,10 +8,11 @@ that is not a regular file is refused). Without --qtype the rows are copied byte
 
 The output keeps llama.cpp's tensor name ``per_layer_token_embd.weight`` and the metadata ``gds-gather info``,
 open_table and offload_per_layer_embeddings use (general.architecture gemma4/gemma3n, {arch}.block_count,
-{arch}.embedding_length_per_layer_input), plus what the conversion cost: ``gds_gather.integrations.convert.max_abs_error``
-and ``.rms_error`` (vs the source rows, over the whole table), ``.max_abs_value``, ``.source``,
-``.source_type``. gguf's Python quantizers exist for F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 TQ1_0 TQ2_0 MXFP4
-only; the K and IQ types (Q6_K, Q4_K, IQ4_NL, ...) need llama.cpp's llama-quantize and are refused here.
+{arch}.embedding_length_per_layer_input), plus what the conversion cost:
+``gds_gather.integrations.convert.max_abs_error`` and ``.rms_error`` (vs the source rows, over the whole table),
+``.max_abs_value``, ``.source``, ``.source_type``. gguf's Python quantizers exist for F32 F16 BF16 Q4_0 Q4_1 Q5_0
+Q5_1 Q8_0 TQ1_0 TQ2_0 MXFP4 only; the K and IQ types (Q6_K, Q4_K, IQ4_NL, ...) need llama.cpp's llama-quantize
+and are refused here.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def describe(table) -> str | None:
 
 def cmd_convert(args, cfg: Config) -> int:
     res = convert(args.model, args.output, args.qtype, tensor=args.tensor, progress=not args.quiet, config=cfg)
-    from ..io.measure import fit
+    from ..units import fit
     print(fit(f"{res['output']}: {res['n_rows']:,} rows x {res['row_bytes']:,} B {res['qtype']} "
               f"(source {res['source_type']}, {res['source_row_bytes']:,} B/row), "
               + ("exact copy" if res["exact"] else

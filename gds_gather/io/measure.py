@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import mmap
 import os
-import textwrap
 import platform
 import resource
 import shutil
@@ -16,22 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-WIDTH = 120      # every bench and prefill line fits a terminal of this many columns
-
-
-def fit(text: str, indent: str = "    ") -> str:
-    """text wrapped at WIDTH columns at spaces, continuation lines indented."""
-    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (powers of 1024; whole bytes below 1 KiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from .libc import libc
 
 
 def drop_caches(control="/proc/sys/vm/drop_caches") -> bool:
@@ -58,13 +41,6 @@ def evict_file(path) -> int:
     return resident_bytes(path)
 
 
-@functools.cache
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc
-
-
 def resident_bytes(path, offset: int = 0, length: int | None = None) -> int:
     """Bytes of `path` now in the page cache (mincore over a fresh read-only mapping); with offset/length, of the
     pages overlapping that byte range only (e.g. a table's data, not the header a metadata mapping keeps)."""
@@ -76,7 +52,7 @@ def resident_bytes(path, offset: int = 0, length: int | None = None) -> int:
     page = mmap.PAGESIZE
     vec = np.zeros((size + page - 1) // page, np.uint8)
     arr = np.frombuffer(mm, np.uint8)     # only to learn the mapping's address; nothing is read
-    rc = _libc().mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p))
+    rc = libc().mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p))
     del arr
     mm.close()
     end = size if length is None else min(size, offset + length)

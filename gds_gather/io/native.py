@@ -1,4 +1,4 @@
-"""Build (once, cached by source hash) and load the small native helper library native.c through ctypes.
+"""Build (once, cached by source hash: io/cbuild.py) and load the small native helper library native.c through ctypes.
 
 Needs a C compiler (cc/gcc/clang) at first use; without one, callers fall back to pure-Python paths and say so.
 """
@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+from . import cbuild
 from ..config import Config
 
 log = logging.getLogger(__name__)
@@ -29,26 +27,23 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+NATIVE_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
+
+
 def build(cache_dir) -> tuple[Path | None, str]:
     """(the library file under cache_dir/native, built now if it is not there; or None, why)."""
-    src = resources.files(__package__).joinpath("native.c").read_bytes()
-    tag = hashlib.sha256(src).hexdigest()[:16]
-    so = Path(cache_dir) / "native" / f"libggnative-{tag}.so"
+    sources = {"native.c": resources.files(__package__).joinpath("native.c").read_bytes()}
+    folder = Path(cache_dir) / "native"
+    so = cbuild.library_path(folder, "libggnative-", sources, NATIVE_FLAGS)
     if so.exists():
         return so, ""
     cc = compiler()
     if not cc:
         return None, "no C compiler (cc) to build the native helpers"
-    so.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        c = Path(tmp) / "native.c"
-        c.write_bytes(src)
-        out = Path(tmp) / so.name
-        r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", str(c), "-o", str(out)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            return None, f"building the native helpers failed: {r.stderr.strip()[:300]}"
-        os.replace(out, so)     # atomic: concurrent first uses do not see a half-written library
+    try:
+        so = cbuild.build_shared([cc], sources, "native.c", NATIVE_FLAGS, folder, "libggnative-")
+    except cbuild.CompileError as e:
+        return None, f"building the native helpers failed: {e.output.strip()[:300]}"
     built.append(str(so))
     return so, ""
 
@@ -162,7 +157,7 @@ def copy_rows(lib, src: np.ndarray, src_offsets, dst: np.ndarray, dst_rows=None,
 class RowsAt:
     """Rows of row_bytes at byte offsets of one buffer: what a read hands over (a reader's staging: its windows, the
     rows inside them), copied straight to where they go (the result, the row cache) by copy_rows, never gathered
-    into an array of their own first. Valid while the buffer is: a reader's during its on_rows call."""
+    into an array of their own first. Valid while the buffer is: a reader's until it yields its next part."""
 
     __slots__ = ("buf", "offsets", "row_bytes", "lib", "_whole")
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import native
 from ..errors import ReadError
-from .measure import _libc
+from .libc import libc as _libc
 from .storage import close_mapping
 
 log = logging.getLogger(__name__)

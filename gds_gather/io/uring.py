@@ -19,95 +19,48 @@ import errno
 import functools
 import mmap
 import os
-import platform
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import forksafe
 from .storage import close_mapping
+from .uring_abi import (CQE, ENTER_EXT_ARG, ENTER_GETEVENTS, FEAT_EXT_ARG, FEAT_SINGLE_MMAP, MAX_CHUNK, OFF_CQ_RING,
+                        OFF_SQ_RING, OFF_SQES, SQE, SQE_ASYNC, SQE_FIXED_FILE, SYS_REGISTER, SYS_SETUP, U32,
+                        GeteventsArg, Iovec, Op, Params, Register, Timespec, acquire, enter, syscall)
 from ..errors import ReadError
 from ..planner import split_extents
 
-SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427        # the same numbers on x86-64 and arm64
-OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
-OP_READ_FIXED, OP_READ = 4, 22
-FEAT_SINGLE_MMAP, FEAT_EXT_ARG = 1, 1 << 8
-ENTER_GETEVENTS, ENTER_EXT_ARG = 1, 8
-REGISTER_BUFFERS, REGISTER_FILES = 0, 2
-SQE_FIXED_FILE = 1
-SQE_ASYNC = 1 << 4
-MAX_CHUNK = 0x7FFFF000      # the most one read returns on Linux (MAX_RW_COUNT), well inside the 32-bit SQE length
-U32 = 0xFFFFFFFF
 DRAIN_TRIES = 64            # exceptions tolerated while draining (signals arriving again) before giving up
 
-SQE = np.dtype({"names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data",
-                          "buf_index"],
-                "formats": [np.uint8, np.uint8, np.uint16, np.int32, np.uint64, np.uint64, np.uint32, np.uint32,
-                            np.uint64, np.uint16],
-                "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32, 40], "itemsize": 64})
-CQE = np.dtype({"names": ["user_data", "res", "flags"], "formats": [np.uint64, np.int32, np.uint32],
-                "offsets": [0, 8, 12], "itemsize": 16})
+
+class Submitted:
+    """What Ring.reads(pause=True) yields once, right after its first submission: the reads are in flight, the
+    caller's CPU work now overlaps the device's."""
+
+    def __repr__(self) -> str:
+        return "SUBMITTED"
 
 
-class _Params(ctypes.Structure):
-    _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
-                ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
-                ("sq_off", ctypes.c_uint32 * 10), ("cq_off", ctypes.c_uint32 * 10)]
+SUBMITTED = Submitted()
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_long)]
+@dataclass(frozen=True)
+class Complete:
+    """What Ring.reads(marks=...) yields at each mark: extents[i] is True where extent i is complete (its bytes in
+    place) while the others are still read."""
+    extents: np.ndarray
 
 
-class _GeteventsArg(ctypes.Structure):      # struct io_uring_getevents_arg
-    _fields_ = [("sigmask", ctypes.c_uint64), ("sigmask_sz", ctypes.c_uint32), ("pad", ctypes.c_uint32),
-                ("ts", ctypes.c_uint64)]
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-@functools.cache
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
-
-
-def full_barrier() -> None:
-    """A full memory barrier callable from Python (lock + unlock of a private pthread mutex): needed on
-    weakly ordered CPUs (arm64: GB10, Grace) between reading a ring tail and its entries, or between filling
-    a buffer and publishing a flag. A fresh mutex each time: a signal handler that raises between the two calls
-    (Python runs handlers between bytecodes) abandons that one mutex instead of deadlocking the next barrier."""
-    libc = _libc()
-    m = ctypes.create_string_buffer(64)      # all zeros: PTHREAD_MUTEX_INITIALIZER
-    libc.pthread_mutex_lock(m)
-    libc.pthread_mutex_unlock(m)
-
-
-def _no_barrier() -> None:
-    pass
-
-
-# Reading a completion ring's tail, then its entries: an acquire. x86-64 never reorders a load with an earlier
-# load (TSO), so there it takes nothing (liburing's io_uring_smp_load_acquire is a plain load there); the mutex
-# barrier above cost 11 us a call on the development VM, one per reap.
-acquire = _no_barrier if platform.machine() in ("x86_64", "AMD64", "i686", "i386") else full_barrier
-
-
-def _sys(nr: int, *args) -> int:
-    while True:
-        r = _libc().syscall(ctypes.c_long(nr), *args)
-        if r >= 0:
-            return r
-        e = ctypes.get_errno()
-        if e != errno.EINTR:
-            raise OSError(e, os.strerror(e))
+@dataclass
+class _Marks:
+    """Ring.reads' hand-over state: the completion counts still to report, and how pieces map to extents."""
+    left: list              # ascending counts of complete extents still to report
+    src: np.ndarray | None  # the extent of each piece where extents were split at max_chunk, else None
+    n_extents: int
 
 
 @functools.cache
@@ -142,8 +95,8 @@ class Ring:
     max_chunk = MAX_CHUNK      # tests lower it to exercise the splitting of large extents
 
     def __init__(self, depth: int = 128):
-        p = _Params()
-        self.fd = _sys(SYS_SETUP, ctypes.c_uint32(depth), ctypes.byref(p))
+        p = Params()
+        self.fd = syscall(SYS_SETUP, ctypes.c_uint32(depth), ctypes.byref(p))
         self._maps = []
         self._fin = weakref.finalize(self, _release, self.fd, self._maps)
         self.pid = os.getpid()
@@ -176,8 +129,8 @@ class Ring:
         except BaseException:
             self.close()
             raise
-        self._lock = threading.Lock()
-        forksafe.track(self, "_lock")
+        self.lock = threading.Lock()
+        forksafe.track(self, "lock")
         self.buffer_registered = False
         self.files_registered = False
         self.inject = None     # tests: callable(res int32[k], user_data[k]) -> res, applied to completions
@@ -185,7 +138,6 @@ class Ring:
         self.broken = ""       # why this ring refuses further use ("" while it is usable)
         self.drains = 0        # faults after which the ring was drained
         self.drained = 0       # entries taken back or completions reaped by those drains (reads a fault left behind)
-        self._groups: dict = {}    # start()ed groups: tag -> [reads, completed, all whole so far, expected bytes]
 
     # -- state read from the ring itself ---------------------------------------------------------------------
     @property
@@ -202,12 +154,13 @@ class Ring:
     # -- registration --------------------------------------------------------------------------------------
     def register_buffer(self, buf: np.ndarray) -> bool:
         """Register one fixed buffer (pins it once); False (and plain reads) if the kernel refuses (memlock)."""
-        iov = _Iovec(buf.ctypes.data, buf.nbytes)
+        iov = Iovec(buf.ctypes.data, buf.nbytes)
         try:
             if self.buffer_registered:
-                _sys(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(1), None, ctypes.c_uint(0))
+                syscall(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(Register.UNREGISTER_BUFFERS), None,
+                        ctypes.c_uint(0))
                 self.buffer_registered = False
-            _sys(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(REGISTER_BUFFERS), ctypes.byref(iov),
+            syscall(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(Register.BUFFERS), ctypes.byref(iov),
                  ctypes.c_uint(1))
         except OSError:
             return False
@@ -218,9 +171,10 @@ class Ring:
         arr = (ctypes.c_int * 1)(fd)
         try:
             if self.files_registered:
-                _sys(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(3), None, ctypes.c_uint(0))
+                syscall(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(Register.UNREGISTER_FILES), None,
+                        ctypes.c_uint(0))
                 self.files_registered = False
-            _sys(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(REGISTER_FILES), arr, ctypes.c_uint(1))
+            syscall(SYS_REGISTER, ctypes.c_int(self.fd), ctypes.c_uint(Register.FILES), arr, ctypes.c_uint(1))
         except OSError:
             return False
         self.files_registered = True
@@ -228,9 +182,18 @@ class Ring:
 
     # -- the batched read loop -----------------------------------------------------------------------------
     def read(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
-             align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None,
-             between=None, handover=None) -> None:
-        """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i.
+             align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None) -> None:
+        """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i: reads()
+        with nothing handed back on the way."""
+        for _ in self.reads(fd, offsets, lengths, addrs, expect=expect, align=align, path=path,
+                            queue_depth=queue_depth, lat_ns=lat_ns):
+            pass
+
+    def reads(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, *, expect=None,
+              align: int = 1, path="?", queue_depth: int | None = None, lat_ns: np.ndarray | None = None,
+              pause: bool = False, marks=()):
+        """Read lengths[i] bytes at file offset offsets[i] into memory address addrs[i], for every i, as a
+        generator of what the caller may act on while the reads go on.
 
         Keeps up to `queue_depth` reads in flight. expect[i] (default lengths[i]) is how many bytes the file
         holds there (less than an O_DIRECT window that runs past the end of the file): a read returning 0
@@ -239,15 +202,14 @@ class Ring:
         lat_ns (optional, int64 [n]): filled with each extent's latency in ns as this thread sees it, from just
         before the io_uring_enter that first submits it to the return of the one that reaps its last completion
         (benchmarks; stamped per batch with numpy, nothing is done when it is None).
-        between (optional callable): called once, right after the first submission, while those reads are in
-        flight (the caller's CPU work overlaps the device's); an exception from it drains the ring and propagates.
-        handover (optional (counts, callable)): callable(done) is called as soon as at least counts[0] extents are
-        complete, again at counts[1], and so on (done: bool [number of extents], the complete ones, their bytes in
-        place; thresholds passed together give one call), while the others are still read: the caller uses the
-        first rows without a second round trip for the rest; its exception, as between's.
-        Whatever exception leaves this call, no read of it is still in flight (see the module's docstring).
+        Yields: SUBMITTED once, right after the first submission (pause=True), while those reads are in flight;
+        Complete(extents) as soon as at least marks[0] extents are complete, again at marks[1], and so on
+        (thresholds passed together give one), while the others are still read. The generator ends when every
+        read is in. Whatever leaves it early (a ReadError, an exception the caller raises while it holds a step
+        and closes the generator: use contextlib.closing), no read of it is still in flight (see the module's
+        docstring).
         """
-        if not self._lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             raise ReadError(f"{path}: this reader is already reading in another thread; "
                             "use one reader (one Table) per thread")
         try:
@@ -266,19 +228,18 @@ class Ring:
                                                                    addrs.view(np.int64), chunk)
                 addrs = dst.view(np.uint64)
                 lat = None if lat_ns is None else np.zeros(offsets.shape[0], np.int64)
-            if handover is not None:            # (thresholds left, callable, pieces' extents or None, extents)
-                handover = (sorted(handover[0]), handover[1], src, n) if len(handover[0]) else None
+            left = _Marks(sorted(marks), src, n) if len(marks) else None
             try:
-                self._read(fd, offsets, lengths, addrs, expect, int(align), path,
-                           min(queue_depth or self.sq_entries, self.sq_entries), lat, between, handover)
+                yield from self._read(fd, offsets, lengths, addrs, expect, int(align), path,
+                                      min(queue_depth or self.sq_entries, self.sq_entries), lat, pause, left)
             except BaseException:
-                self._drain(path)      # the original exception goes on; a second one met while draining is dropped
+                self.drain(path)      # the original exception goes on; a second one met while draining is dropped
                 raise
             if src is not None and lat_ns is not None:
                 lat_ns[:] = 0
                 np.maximum.at(lat_ns, src, lat)
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def _check_usable(self, path) -> None:
         if self.fd < 0 or self._sq_tail is None:
@@ -290,14 +251,14 @@ class Ring:
             raise ReadError(f"{path}: the reader is unusable after an earlier fault ({self.broken}); "
                             "reopen the table")
         if any(self.outstanding()):     # an exception escaped between two steps of an earlier drain
-            late = self._drain(path)
+            late = self.drain(path)
             if self.broken:
                 raise ReadError(f"{path}: the reader is unusable after an earlier fault ({self.broken}); "
                                 "reopen the table")
             if late is not None:
                 raise late
 
-    def _drain(self, path, timeout_s: float = 60.0):
+    def drain(self, path, timeout_s: float = 60.0):
         """Back to a clean ring after a fault: take back the entries the kernel has not taken, then reap the
         completion of every read in flight. Returns an exception that arrived meanwhile (a signal handler raising
         again), or None; marks the ring broken if it cannot be drained."""
@@ -334,29 +295,26 @@ class Ring:
             if ready < inflight:
                 if time.monotonic() > deadline:
                     raise TimeoutError
-                self._wait(inflight - ready)
+                self.wait(inflight - ready)
             acquire()
             tail = int(self._cq_tail[0])
             self.drained += (tail - int(self._cq_head[0])) & U32
             self._cq_head[0] = tail
 
-    def _wait(self, n: int) -> None:
+    def wait(self, n: int) -> None:
         """io_uring_enter waiting for n completions, for at most about a second where the kernel allows a timeout."""
         if self.features & FEAT_EXT_ARG:
-            ts = _Timespec(1, 0)
-            arg = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
+            ts = Timespec(1, 0)
+            arg = GeteventsArg(0, 0, 0, ctypes.addressof(ts))
             try:
-                _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n),
-                     ctypes.c_uint(ENTER_GETEVENTS | ENTER_EXT_ARG), ctypes.byref(arg), ctypes.c_size_t(24))
+                enter(self.fd, 0, n, ENTER_GETEVENTS | ENTER_EXT_ARG, ctypes.byref(arg), 24)
             except OSError as e:
                 if e.errno not in (errno.ETIME, errno.EAGAIN):
                     raise
             return
-        _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(0), ctypes.c_uint(n), ctypes.c_uint(ENTER_GETEVENTS),
-             None, ctypes.c_size_t(0))
+        enter(self.fd, 0, n)
 
-    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat=None, between=None,
-              handover=None) -> None:
+    def _read(self, fd, offsets, lengths, addrs, expect, align, path, qd, lat, pause: bool, marks: _Marks | None):
         n = offsets.shape[0]
         done = 0                       # extents complete (handover)
         if lat is not None:
@@ -368,7 +326,7 @@ class Ring:
         inflight = unsubmitted = 0     # in the ring or in flight; placed in the ring but not yet taken
         sq = self._sqes
         # fields that are the same for every read of this call, written once
-        sq["opcode"] = OP_READ_FIXED if self.buffer_registered else OP_READ
+        sq["opcode"] = Op.READ_FIXED if self.buffer_registered else Op.READ
         sq["flags"] = SQE_FIXED_FILE if self.files_registered else 0
         sq["fd"] = 0 if self.files_registered else fd
         sq["ioprio"] = sq["buf_index"] = 0
@@ -395,26 +353,24 @@ class Ring:
             if inflight == 0:
                 break
             # wait for a quarter of the queue once it is full (or nothing is left to submit), else just submit;
-            # a pending handover wakes up when its extents are in
+            # a pending mark wakes up when its extents are in
             wait = min(inflight, max(1, qd // 4)) if inflight >= qd or pos >= todo.shape[0] else 0
-            if handover is not None and wait:
-                wait = max(1, min(wait, handover[0][0] - done))
-            if between is not None:     # submit only: the caller's work runs while these reads are in flight
+            if marks is not None and wait:
+                wait = max(1, min(wait, marks.left[0] - done))
+            if pause:                   # submit only: the caller's work runs while these reads are in flight
                 wait = 0
             to_submit = unsubmitted + max(k, 0)
             if lat is not None and k > 0:
                 f = first[idx]
                 first[idx] = np.where(f == 0, time.perf_counter_ns(), f)
-            unsubmitted = to_submit - _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(to_submit),
-                                           ctypes.c_uint(wait), ctypes.c_uint(ENTER_GETEVENTS), None,
-                                           ctypes.c_size_t(0))
+            unsubmitted = to_submit - enter(self.fd, to_submit, wait)
             self.enters += 1
-            if between is not None:
-                fn, between = between, None
-                fn()
+            if pause:
+                pause = False
+                yield SUBMITTED
             if lat is not None:
                 reaped = time.perf_counter_ns()
-            idx, res = self._completions()
+            idx, res = self.completions()
             m = idx.shape[0]
             if m == 0:
                 continue
@@ -431,18 +387,17 @@ class Ring:
                 done += m
             if int(self._cq_overflow[0]):
                 raise ReadError(f"{path}: io_uring completion queue overflowed")
-            if handover is not None and done >= handover[0][0]:
-                marks, fn, src, n_ext = handover
+            if marks is not None and done >= marks.left[0]:
                 ok = got >= expect
-                if src is not None:             # an extent cut into pieces is complete when all its pieces are
-                    ok = np.bincount(src, ~ok, minlength=n_ext) == 0
+                if marks.src is not None:       # an extent cut into pieces is complete when all its pieces are
+                    ok = np.bincount(marks.src, ~ok, minlength=marks.n_extents) == 0
                 k = np.count_nonzero(ok)
-                if k >= marks[0]:
-                    while marks and marks[0] <= k:
-                        marks.pop(0)
-                    if not marks:
-                        handover = None
-                    fn(ok)
+                if k >= marks.left[0]:
+                    while marks.left and marks.left[0] <= k:
+                        marks.left.pop(0)
+                    if not marks.left:
+                        marks = None
+                    yield Complete(ok)
 
     @staticmethod
     def _slow_path(idx, res, got, offsets, lengths, expect, align, path, retry) -> None:
@@ -473,7 +428,7 @@ class Ring:
             got[short] = aligned
             retry.append(short)
 
-    def _completions(self) -> tuple[np.ndarray, np.ndarray]:
+    def completions(self) -> tuple[np.ndarray, np.ndarray]:
         """The completions posted since the last call, taken off the ring: (user_data, res), both int64 copies
         (empty when none)."""
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
@@ -487,41 +442,21 @@ class Ring:
         self._cq_head[0] = tail
         return ud, res
 
-    # -- reads left in flight: queued now, collected later (prefetch.py) -------------------------------------
-    def start(self, tag: int, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
-              expect: np.ndarray) -> None:
-        """Queue the reads of group `tag` (1 <= tag < 2**31) and return without waiting for any of them; finish(tag)
-        collects them. Each entry is marked IOSQE_ASYNC: the kernel's workers issue the reads, so this call does
-        not wait for the disk's queue (a plain submission of 290 reads waited ~3 ms for a virtio disk's 128 tags;
-        docs/decisions/queue-depth.md). No extent may exceed max_chunk, and at most `room()` reads may be queued. Not to be
-        mixed with read() on the same ring."""
-        n = int(offsets.shape[0])
-        if not self._lock.acquire(blocking=False):
-            raise ReadError("this io_uring ring is in use by another thread")
-        try:
-            if self.fd < 0 or self._sq_tail is None or self.foreign or self.broken:
-                raise ReadError("this io_uring ring is closed, inherited through fork() or broken")
-            if not 1 <= tag < 1 << 31 or tag in self._groups or n > self.room():
-                raise ValueError(f"ring group {tag}: bad tag, already queued, or {n} reads > room {self.room()}")
-            if n and int(lengths.max()) > self.max_chunk:
-                raise ValueError("extents longer than max_chunk: split them first")
-            try:
-                self._queue(tag, fd, offsets, lengths, addrs, expect)
-            except BaseException:
-                self._drain("?")    # whatever was queued is reaped: every group's finish then says False
-                self._groups.clear()
-                raise
-        finally:
-            self._lock.release()
+    # -- entries queued without waiting (uring_groups.py) -----------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0 or self._sq_tail is None
 
-    def _queue(self, tag, fd, offsets, lengths, addrs, expect) -> None:
+    def queue(self, fd: int, offsets, lengths, addrs, user_data, flags: int = SQE_ASYNC) -> None:
+        """Place one plain read per extent (at most the free submission entries) and submit them all, waiting for
+        none; call under self.lock. user_data: uint64 [n], what each completion carries back."""
         n = int(offsets.shape[0])
         sq = self._sqes
         tail = int(self._sq_tail[0])
         s0 = tail & self._sq_mask
         at = slice(s0, s0 + n) if s0 + n <= self.sq_entries else (tail + self._ramp[:n]) & self._sq_mask
-        sq["opcode"][at] = OP_READ
-        sq["flags"][at] = SQE_ASYNC
+        sq["opcode"][at] = Op.READ
+        sq["flags"][at] = flags
         sq["ioprio"][at] = 0
         sq["fd"][at] = fd
         sq["buf_index"][at] = 0
@@ -529,59 +464,16 @@ class Ring:
         sq["off"][at] = offsets
         sq["addr"][at] = addrs
         sq["len"][at] = lengths
-        sq["user_data"][at] = (np.uint64(tag) << np.uint64(32)) | self._ramp[:n].astype(np.uint64)
-        self._groups[tag] = [n, 0, True, np.asarray(expect, np.int64)]     # reads, completed, all whole, bytes
+        sq["user_data"][at] = user_data
         self._sq_tail[0] = (tail + n) & U32
         left = n
         while left:         # the kernel takes them all at once unless a signal interrupts the call
-            left -= _sys(SYS_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(left), ctypes.c_uint(0), ctypes.c_uint(0),
-                         None, ctypes.c_size_t(0))
+            left -= enter(self.fd, left, 0, 0)
             self.enters += 1
-
-    def room(self) -> int:
-        """Reads start() may still queue: every queued read's completion must fit the completion ring."""
-        return min(self.sq_entries, self.cq_entries - sum(g[0] - g[1] for g in self._groups.values()))
-
-    def finish(self, tag: int, timeout_s: float = 60.0) -> bool:
-        """Wait for the reads of group `tag` (reaping the other groups' completions on the way); True when every
-        one returned the bytes expected of it, False when any failed or came back short (the group's bytes are
-        then not to be used; nothing is retried). A group that is not queued: False."""
-        if not self._lock.acquire(blocking=False):
-            raise ReadError("this io_uring ring is in use by another thread")
-        try:
-            g = self._groups.get(tag)
-            if g is None or self.fd < 0 or self._cqes is None or self.foreign:   # (a child: the parent's ring)
-                return False
-            deadline = time.monotonic() + timeout_s
-            while g[1] < g[0]:
-                ud, res = self._completions()
-                if ud.shape[0] == 0:
-                    if time.monotonic() > deadline:
-                        raise ReadError(f"reads still in flight {timeout_s:.0f} s after they were queued")
-                    self._wait(1)
-                    continue
-                tags, idx = ud >> 32, ud & U32
-                if self.inject is not None:
-                    res = np.asarray(self.inject(res.copy(), idx), np.int64)
-                for t in np.unique(tags).tolist():
-                    mine = tags == t
-                    h = self._groups.get(t)
-                    if h is None:
-                        continue
-                    h[1] += int(mine.sum())
-                    h[2] = h[2] and bool((res[mine] == h[3][idx[mine]]).all())
-            return g[2]
-        except BaseException:
-            self._drain("?")    # no read of any group is left in flight (their finish then says False)
-            self._groups.clear()
-            raise
-        finally:
-            self._groups.pop(tag, None)
-            self._lock.release()
 
     def close(self) -> None:
         if getattr(self, "_cqes", None) is not None and not self.foreign and self.fd >= 0:
-            self._drain("?")
+            self.drain("?")
         # drop every numpy view of the rings first, so the mappings can be unmapped now
         self._sq_head = self._sq_tail = self._cq_head = self._cq_tail = self._cq_overflow = None
         self._cqes = self._sqes = None

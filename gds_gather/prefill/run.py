@@ -25,6 +25,7 @@ from .prompts import prompt_tokens
 
 logger = logging.getLogger(__name__)
 
+MAX_UBATCH = 1 << 16      # tokens per ubatch: staging for 65,536 tokens of gemma rows is already ~480 MB
 DEFAULT_PRESET = "qwen4exp"
 DEFAULT_ROWS = 2_000_000     # 180 MB of IQ4_NL rows: small enough to build in seconds, big enough to be sparse
 
@@ -124,7 +125,7 @@ def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions |
     o = (options or PrefillOptions()).with_(**changes)
     log, ubatch = o.log, o.ubatch
     from ..io import measure
-    from ..io.measure import fit
+    from ..units import fit
     from .pipeline import CpuPrefill, GpuPrefill, trunk_label
     from ..platform import detect
     cfg = cfg or Config.from_env()
@@ -221,7 +222,8 @@ def run_prefill(model=None, cfg: Config | None = None, options: PrefillOptions |
 
 def summary_lines(res: dict) -> list[str]:
     """The result as lines of at most 120 columns, one figure per line (the README quotes them)."""
-    from ..io.measure import counter_name, human_bytes
+    from ..io.measure import counter_name
+    from ..units import human_bytes
     wall, ple, trunk = res["seconds"], res["ple_seconds"], res["trunk_seconds"]
     none = res["trunk_kind"] == "none"
     split = ("" if ple is None else f": PLE step {ple:.3f} s ({res['ple_share']:.0%}), " +

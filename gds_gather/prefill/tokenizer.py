@@ -6,7 +6,7 @@ llama.cpp runs it (src/llama-vocab.cpp):
 
 - ``gpt2``: byte-level BPE (Qwen, qwen4exp, Llama 3, ...). The text is pre-tokenized with the regexes llama.cpp
   keeps for `tokenizer.ggml.pre` (qwen2, qwen35, llama3/llama-bpe, gpt-2, mpt, starcoder, refact, command-r,
-  falcon, default, ...; see `_PRE`: a name not there is refused with a TokenizerError naming the supported ones, as
+  falcon, default, ...; see `pretokenizer.PRE`: a name not there is refused with a TokenizerError naming the supported ones, as
   llama.cpp refuses an unknown one; deepseek-coder/deepseek-llm are among the refused), each piece's
   UTF-8 bytes are mapped to the GPT-2 byte-to-unicode alphabet and merged by `tokenizer.ggml.merges` rank (lowest
   rank first, leftmost first on ties: llama.cpp's bigram queue). Results are cached per piece.
@@ -30,14 +30,8 @@ Checked exactly against llama.cpp's test-tokenizer-0 vectors (tests/data/llama-v
 
 Where this differs from llama.cpp, exactly:
 
-1. Unicode classes. The pre-tokenizer regexes use \\p{L}, \\p{N}, \\p{M}, \\p{P}, which the stdlib `re` lacks
-   (and `regex` is not a dependency). They are built once per process (~0.2 s) as explicit character classes from
-   `unicodedata` general categories (L*, N*, M*, P*); \\s is llama.cpp's whitespace set (U+0009-000D, U+0020,
-   U+0085, U+00A0, U+1680, U+2000-200A, U+2028, U+2029, U+202F, U+205F, U+3000; Python's own \\s would add
-   U+001C-001F). So classification is exact up to the Unicode version: Python 3.11's unicodedata is Unicode 14.0,
-   llama.cpp's table is newer (characters assigned since 14.0 count as unassigned here). The patterns themselves
-   are llama.cpp's, evaluated with the usual leftmost-first backtracking semantics (llama.cpp runs them through its
-   own splitters or std::regex over category-collapsed text).
+1. Unicode classes: the pre-tokenizer regexes' \\p{..} and \\s classes are built from Python's unicodedata
+   (gds_gather.prefill.pretokenizer), exact up to the Unicode version.
 2. Byte fallback in `gpt2`: a merged symbol missing from the vocabulary (never the case for a real vocabulary,
    whose merges produce tokens and which holds all 256 byte symbols) becomes one byte-symbol token per byte;
    llama.cpp looks up the symbol's UTF-8 bytes one by one as strings, which drops every non-ASCII byte.
@@ -48,14 +42,13 @@ Where this differs from llama.cpp, exactly:
 """
 from __future__ import annotations
 
-import functools
-import heapq
 import re
-import unicodedata
 
 import numpy as np
 
 from ..errors import TokenizerError
+from .merges import bpe_merge, spm_merge
+from .pretokenizer import PRE, WS_CHARS, bytes_to_unicode, compiled, regex_split
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
@@ -89,127 +82,6 @@ _DEFAULT_EOS = {"llama": 2, "gpt2": 11}       # llama.cpp's defaults when tokeni
 
 SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")
-
-# llama.cpp unicode_set_whitespace (White_Space property), as a character-class body
-_WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_WS_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
-                      + "".join(map(chr, range(0x2000, 0x200B))))
-
-# Pre-tokenizer regexes, verbatim from llama.cpp's llm_tokenizer_bpe (tokenizer.ggml.pre -> regex_exprs).
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
-
-_STARCODER = (r"\p{N}", _GPT2)
-_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
-
-# tokenizer.ggml.pre -> (regexes, ignore_merges), as llama.cpp's load and llm_tokenizer_bpe map them. A name
-# not here is refused (TokenizerError), as llama.cpp refuses an unknown one; a missing name means "default".
-_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
-    "default": (_DEFAULT, False),
-    **{k: ((_GPT2,), False) for k in ("gpt-2", "mpt", "olmo", "jais")},
-    **{k: ((_QWEN2,), False) for k in ("qwen2", "stablelm2", "hunyuan")},
-    "qwen35": ((_QWEN35,), False),
-    **{k: ((_LLAMA3,), True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
-    **{k: ((_LLAMA3,), False) for k in ("smaug-bpe", "dbrx")},       # llama3's regex without ignore_merges
-    **{k: (_STARCODER, False) for k in ("starcoder", "refact", "command-r")},
-    "falcon": (_FALCON, False),
-}
-
-
-# ---- Unicode classes ------------------------------------------------------------------------------------------
-
-@functools.cache
-def _unicode_classes() -> dict[str, str]:
-    """Character-class bodies for \\p{L}, \\p{N}, \\p{M}, \\p{P} from unicodedata (built once, ~0.2 s)."""
-    majors = "".join(c[0] for c in map(unicodedata.category, map(chr, range(0x110000))))
-    out = {}
-    for name in "LNMP":
-        parts = []
-        for m in re.finditer(name + "+", majors):
-            a, b = m.start(), m.end() - 1
-            parts.append(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}")
-        out[name] = "".join(parts)
-    return out
-
-
-def _translate(expr: str) -> str:
-    """A llama.cpp regex in stdlib `re` syntax: \\p{X} and \\s, \\S become explicit classes (inside or outside [])."""
-    cls = _unicode_classes()
-    out, i, in_class = [], 0, False
-    while i < len(expr):
-        c = expr[i]
-        if c == "\\":
-            nxt = expr[i + 1]
-            if nxt == "p":
-                j = expr.index("}", i)
-                body = cls[expr[i + 3:j]]
-                out.append(body if in_class else f"[{body}]")
-                i = j + 1
-                continue
-            if nxt == "s":
-                out.append(_WS if in_class else f"[{_WS}]")
-            elif nxt == "S":
-                if in_class:
-                    raise AssertionError(f"\\S inside a class in {expr!r}")
-                out.append(f"[^{_WS}]")
-            else:
-                out.append(expr[i:i + 2])
-            i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
-        elif c == "]" and in_class:
-            in_class = False
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-@functools.cache
-def _compiled(exprs: tuple[str, ...]) -> tuple[re.Pattern, ...]:
-    return tuple(re.compile(_translate(e)) for e in exprs)
-
-
-def _regex_split(text: str, patterns) -> list[str]:
-    """llama.cpp's unicode_regex_split: each regex splits every piece of the previous one into its matches and
-    the unmatched stretches between them (which stay pieces)."""
-    pieces = [text]
-    for pat in patterns:
-        out = []
-        for p in pieces:
-            pos = 0
-            for m in pat.finditer(p):
-                s, e = m.span()
-                if s == e:
-                    continue
-                if s > pos:
-                    out.append(p[pos:s])
-                out.append(p[s:e])
-                pos = e
-            if pos < len(p):
-                out.append(p[pos:])
-        pieces = out
-    return pieces
-
-
-@functools.cache
-def _bytes_to_unicode() -> tuple[str, ...]:
-    """GPT-2's byte -> printable character map (byte b -> the symbol at index b)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return tuple(chr(table[b]) for b in range(256))
 
 
 # ---- reading GGUF fields ---------------------------------------------------------------------------------------
@@ -295,12 +167,12 @@ class GGUFTokenizer:
         self._joiners: frozenset[str] = frozenset()
         if model == "gpt2":
             key = pre if pre is not None else "default"
-            if key not in _PRE:
+            if key not in PRE:
                 raise TokenizerError(f"pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported; supported: "
-                                     f"{', '.join(sorted(_PRE))}")
+                                     f"{', '.join(sorted(PRE))}")
             self.pre_used = key
-            self._exprs, self.ignore_merges = _PRE[key]
-            self._b2u = _bytes_to_unicode()
+            self._exprs, self.ignore_merges = PRE[key]
+            self._b2u = bytes_to_unicode()
             self._u2b = {c: b for b, c in enumerate(self._b2u)}
         elif model == "llama":
             if scores is not None and len(scores) < n:
@@ -452,7 +324,7 @@ class GGUFTokenizer:
             if k < floor:
                 return 0
             x = text[k - 1]
-            if not (x in _WS_CHARS or x == SPACE or x in self._joiners) and not self._user_touches(text, k):
+            if not (x in WS_CHARS or x == SPACE or x in self._joiners) and not self._user_touches(text, k):
                 return k
             k -= 1
 
@@ -493,7 +365,7 @@ class GGUFTokenizer:
 
     def _encode_gpt2(self, text: str, out: list[int]) -> None:
         cache = self._cache
-        for word in _regex_split(text, _compiled(self._exprs)):
+        for word in regex_split(text, compiled(self._exprs)):
             ids = cache.get(word)
             if ids is None:
                 ids = cache[word] = self._gpt2_word(word)
@@ -505,7 +377,7 @@ class GGUFTokenizer:
         if self.ignore_merges and sym in self.ids:
             return (self.ids[sym],)
         ids = []
-        for piece in _bpe_merge(sym, self.ranks):
+        for piece in bpe_merge(sym, self.ranks):
             tid = self.ids.get(piece)
             if tid is not None:
                 ids.append(tid)
@@ -521,8 +393,8 @@ class GGUFTokenizer:
                 continue
             ids = cache.get(seg)
             if ids is None:
-                pieces = (_spm_merge(seg, self.ids, self.scores) if self.model == "llama" else
-                          _bpe_merge(seg, self.ranks))
+                pieces = (spm_merge(seg, self.ids, self.scores) if self.model == "llama" else
+                          bpe_merge(seg, self.ranks))
                 ids = []
                 for piece in pieces:
                     tid = self.ids.get(piece)
@@ -541,7 +413,7 @@ class GGUFTokenizer:
     def _byte_id(self, b: int) -> int | None:
         """The token of one byte: the byte symbol (gpt2) or <0xXX> (llama.cpp byte_to_token), else unk, else None."""
         if self.model == "gpt2":
-            tid = self.ids.get(_bytes_to_unicode()[b])
+            tid = self.ids.get(bytes_to_unicode()[b])
         else:
             tid = self.ids.get(f"<0x{b:02X}>")
             if tid is None and b < 0x80:
@@ -574,62 +446,3 @@ class GGUFTokenizer:
         if self.model == "llama" and self.add_space_prefix and text.startswith(" "):
             text = text[1:]
         return text
-
-
-# ---- the merge loops -------------------------------------------------------------------------------------------
-
-def _merge(word: str, priority) -> list[str]:
-    """From single characters, repeatedly merge the adjacent pair with the lowest priority(a, b) (leftmost on ties)
-    until no adjacent pair has one (priority returns None). A heap over bigrams, as llama.cpp's sessions do."""
-    n = len(word)
-    if n < 2:
-        return [word] if n else []
-    sym = list(word)
-    nxt = list(range(1, n + 1))
-    nxt[-1] = -1
-    prv = list(range(-1, n - 1))
-    heap = []
-    for i in range(n - 1):
-        k = priority(sym[i], sym[i + 1])
-        if k is not None:
-            heap.append((k, i, i + 1, sym[i] + sym[i + 1]))
-    if not heap:
-        return sym
-    heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
-    while heap:
-        _, left, right, text = pop(heap)
-        a, b = sym[left], sym[right]
-        if not a or not b or a + b != text:
-            continue            # outdated: one side has merged since
-        sym[left], sym[right] = text, ""
-        nr = nxt[right]
-        nxt[left] = nr
-        if nr >= 0:
-            prv[nr] = left
-        p = prv[left]
-        if p >= 0:
-            k = priority(sym[p], text)
-            if k is not None:
-                push(heap, (k, p, left, sym[p] + text))
-        if nr >= 0:
-            k = priority(text, sym[nr])
-            if k is not None:
-                push(heap, (k, left, nr, text + sym[nr]))
-    return [s for s in sym if s]
-
-
-def _bpe_merge(word: str, ranks: dict) -> list[str]:
-    """llama.cpp's llm_tokenizer_bpe_session: merges by lowest merge rank."""
-    get = ranks.get
-    return _merge(word, lambda a, b: get((a, b)))
-
-
-def _spm_merge(text: str, ids: dict, scores: list[float]) -> list[str]:
-    """llama.cpp's llm_tokenizer_spm: merges the pair whose concatenation is the token of highest score."""
-    get = ids.get
-
-    def priority(a, b):
-        t = get(a + b)
-        return None if t is None else -scores[t]
-    return _merge(text, priority)
