@@ -28,11 +28,11 @@
 #                    loads one of each and says whether CuPy's disk cache spared it the compile (CuPy reuses it for
 #                    modules with name_expressions only in its newer releases). Without a GPU: NVRTC "skipped: no
 #                    GPU", the host build and native helpers still built. Its parts: $WORK/compile.json -> summary.
-#   test-kernels 55  tests/test_kernels_gpu.py: every kernel exact against the reference on the device
-#   test-device  50  tests/test_device_gpu.py but the fault tests and the per-type Table sweep: every backend and
+#   test-kernels 55  tests/gpu/test_kernels_gpu.py: every kernel exact against the reference on the device
+#   test-device  50  tests/gpu/test_device_gpu.py but the fault tests and the per-type Table sweep: every backend and
 #                    destination (eager) with values, streams, close, refusals
 #   test-faults  45  the read-error-mid-prefill (fault path) tests
-#   test-prefill 85  tests/test_prefill.py: graph vs eager-resident for each destination and the device row cache
+#   test-prefill 85  tests/prefill/test_prefill.py: graph vs eager-resident for each destination and the device row cache
 #                    (graph and eager), on qwen4exp; per-layer inputs against the CPU for every model family
 #   bench-storage 25  one line: gpu-direct (KvikIO/cuFile into GPU memory), 1 MiB random reads
 #   bench-prefill 45  one line: direct, cold, CUDA graph, the tiny trunk (with the untimed warm-up and carried run)
@@ -100,10 +100,10 @@ cap() { awk -v n="$1" '$1 == n {print $2}' <<<"$CAPS"; }
 
 # The test steps, one a line: NAME|pytest arguments separated by ';' (files, and -k where a file is split). The
 # first run's matrix: what only a GPU can show. Gpu tests in none of them are listed in the summary, not run.
-TEST_STEPS="test-kernels|tests/test_kernels_gpu.py
-test-device|tests/test_device_gpu.py;-k;not read_error and not every_type
-test-faults|tests/test_device_gpu.py;-k;read_error
-test-prefill|tests/test_prefill.py;-k;(qwen4exp and not evicting) or per_layer_inputs"
+TEST_STEPS="test-kernels|tests/gpu/test_kernels_gpu.py
+test-device|tests/gpu/test_device_gpu.py;-k;not read_error and not every_type
+test-faults|tests/gpu/test_device_gpu.py;-k;read_error
+test-prefill|tests/prefill/test_prefill.py;-k;(qwen4exp and not evicting) or per_layer_inputs"
 export TEST_STEPS
 
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STEPS"; }   # NAME STATUS SECONDS LIMIT

@@ -1,7 +1,7 @@
 """The cached source (gds_gather/cache/source.py): one look-up / read / admit / count for host and device storage.
 
 Host storage returns the batch's rows; device storage returns pool offsets, fresh rows and admissions, which
-tests/test_devcache.emulate plays as the device would. Both are checked against the file's bytes, and against each
+tests/gpu/test_devcache.emulate plays as the device would. Both are checked against the file's bytes, and against each
 other: with page-cache reads off, the same batches make the same hits, misses and admissions in either storage.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gds_gather.io import direct, readers
 from gds_gather.cache import source
 from gds_gather.cache.store import RowCache
 
-from .test_devcache import emulate
+from ..gpu.test_devcache import emulate
 
 N_ROWS = 400
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

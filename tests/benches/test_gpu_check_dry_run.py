@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 SUMMARY = REPO / "bench" / "gpu_check_summary.py"
 
@@ -117,22 +117,22 @@ def test_summary_reads_a_killed_steps_log(tmp_path):
     (tmp_path / "compile.json").write_text(json.dumps({"nvrtc-dequant": {"status": "ok", "seconds": 30}}))
     (junit / "test-kernels.xml").write_text(
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="test-kernels" tests="2">'
-        '<testcase classname="tests.test_kernels_gpu" name="test_streams"/>'
-        '<testcase classname="tests.test_kernels_gpu" name="test_empty_ids"><failure message="boom"/>'
+        '<testcase classname="tests.gpu.test_kernels_gpu" name="test_streams"/>'
+        '<testcase classname="tests.gpu.test_kernels_gpu" name="test_empty_ids"><failure message="boom"/>'
         "</testcase></testsuite></testsuites>")
-    p = "tests/test_prefill.py::"
+    p = "tests/prefill/test_prefill.py::"
     (out / "test-prefill.log").write_text(
         "============ test session starts ============\ncollecting ... collected 13 items\n\n"
         f"{p}test_a[qwen4exp-direct-discrete] PASSED\n"
         f"{p}test_a[qwen4exp-pread-discrete] FAILED\n"
         f"{p}test_b[gemma4-e2b] SKIPPED (kvikio missing)\n"
         f"{p}test_c[qwen4exp] PASSED\n{p}test_c[qwen4exp] ERROR\n"
-        "tests/test_prefill.py:12: AssertionError\n"
+        "tests/prefill/test_prefill.py:12: AssertionError\n"
         f"{p}test_d[qwen4exp-roomy] ")                     # killed here: no result, no newline
     (junit / "all.ids").write_text("".join(f"{i}\n" for i in (
-        "tests/test_kernels_gpu.py::test_streams", "tests/test_kernels_gpu.py::test_empty_ids",
+        "tests/gpu/test_kernels_gpu.py::test_streams", "tests/gpu/test_kernels_gpu.py::test_empty_ids",
         f"{p}test_a[qwen4exp-direct-discrete]", f"{p}test_a[qwen4exp-pread-discrete]", f"{p}test_b[gemma4-e2b]",
-        f"{p}test_c[qwen4exp]", f"{p}test_d[qwen4exp-roomy]", "tests/test_trunk.py::test_graph")))
+        f"{p}test_c[qwen4exp]", f"{p}test_d[qwen4exp-roomy]", "tests/prefill/test_trunk.py::test_graph")))
     r = subprocess.run([sys.executable, str(SUMMARY), str(out), str(tmp_path / "steps.tsv"),
                         str(tmp_path / "missing.json"), "1", str(junit), str(tmp_path / "caps.tsv"),
                         str(tmp_path / "compile.json")], capture_output=True, text=True)
@@ -140,7 +140,7 @@ def test_summary_reads_a_killed_steps_log(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["caps_sum_s"] == 210 and s["steps"]["compile"]["parts"]["nvrtc-dequant"]["status"] == "ok"
     k = s["steps"]["test-kernels"]
-    kg = "tests/test_kernels_gpu.py::"
+    kg = "tests/gpu/test_kernels_gpu.py::"
     assert k["tests_from"] == "junit"
     assert k["tests"] == {f"{kg}test_streams": "passed", f"{kg}test_empty_ids": "failed: boom"}
     v = s["steps"]["test-prefill"]
@@ -157,5 +157,5 @@ def test_summary_reads_a_killed_steps_log(tmp_path):
     assert t["per_step"]["test-prefill"] == v["counts"]
     assert (t["passed"], t["failed"], t["errors"], t["skipped"]) == (2, 2, 2, 1)
     assert f"{p}test_a[qwen4exp-pread-discrete]" in t["failures"]
-    assert t["not_in_first_run"] == ["tests/test_trunk.py::test_graph"] and t["in_two_steps"] == {}
-    assert "ended in tests/test_prefill.py::test_d[qwen4exp-roomy]" in r.stdout
+    assert t["not_in_first_run"] == ["tests/prefill/test_trunk.py::test_graph"] and t["in_two_steps"] == {}
+    assert "ended in tests/prefill/test_prefill.py::test_d[qwen4exp-roomy]" in r.stdout

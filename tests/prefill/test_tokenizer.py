@@ -415,7 +415,7 @@ def test_prefill_uses_the_models_tokenizer(tmp_path, ggufs, gpt2):
 
 
 # ---- llama.cpp's own vectors (tests/data/llama-vocab: test-tokenizer-0's .inp/.out, MIT) ---------------------------
-VOCAB_DIR = Path(__file__).parent / "data" / "llama-vocab"
+VOCAB_DIR = Path(__file__).parents[1] / "data" / "llama-vocab"
 VOCABS = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "mpt", "llama-spm", "phi-3", "gemma-4",
           "starcoder", "refact", "falcon", "command-r")
 

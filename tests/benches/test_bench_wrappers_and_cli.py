@@ -18,7 +18,7 @@ from gds_gather import benches
 from gds_gather.io import measure
 from gds_gather.cli import main as cli_main
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 

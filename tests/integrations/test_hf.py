@@ -361,7 +361,7 @@ def test_offload_on_cuda_ids(models, tmp_path):
 
 # ---- gds_gather.integrations.transformers.from_pretrained ----------------------------------------------------------------------------
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PLE_KEY = "model.embed_tokens_per_layer.weight"
 
 

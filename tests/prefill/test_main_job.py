@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 VOCAB, N_LAYER, PER_LAYER = 512, 4, 16
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 JSON_FIELDS = ("ple_seconds", "trunk_seconds", "ple_share", "trunk")
 
 

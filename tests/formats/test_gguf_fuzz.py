@@ -11,7 +11,7 @@ vtype (metadata value and item types), ttype (tensor types), nesting (values rep
 deep), endian (byte-swapped header fields), utf8 (invalid bytes in keys, values, items and names).
 
 CI runs GDS_GATHER_FUZZ_CASES (default 500) cases from GDS_GATHER_FUZZ_SEED (default 0); a long manual run:
-    GDS_GATHER_FUZZ_CASES=5000 GDS_GATHER_FUZZ_SEED=7 python3 -m pytest -q -s tests/test_gguf_fuzz.py
+    GDS_GATHER_FUZZ_CASES=5000 GDS_GATHER_FUZZ_SEED=7 python3 -m pytest -q -s tests/formats/test_gguf_fuzz.py
 """
 from __future__ import annotations
 

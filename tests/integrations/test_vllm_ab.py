@@ -1,6 +1,6 @@
 """benches/vllm_ab.py without vLLM: the tiny checkpoints, the prompts, the A/B medians and ratios, the
 subprocess contract (arguments, environment, the JSON last line) and the command line. The engine itself
-(`run`) runs in vLLM's venv: tests/test_vllm.py."""
+(`run`) runs in vLLM's venv: tests/integrations/test_vllm.py."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,7 @@ import numpy as np
 
 
 def _script(name: str) -> str:
-    """A module-level string constant of tests/test_device_gpu.py (a subprocess script), without importing it."""
+    """A module-level string constant of tests/gpu/test_device_gpu.py (a subprocess script), without importing it."""
     tree = ast.parse((Path(__file__).parent / "test_device_gpu.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
@@ -333,7 +333,7 @@ def test_device_cache_copies_launch_on_the_given_stream_without_from_external(mo
 
 def test_only_arrays_wraps_foreign_streams():
     """Stream.from_external (cupy >= 14) and ExternalStream (cupy 13) are chosen in one place: arrays.cupy_stream."""
-    root = Path(__file__).parent.parent / "gds_gather"
+    root = Path(__file__).parents[2] / "gds_gather"
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                    if p.name != "arrays.py" and ("from_external" in p.read_text() or "ExternalStream" in p.read_text()))
     assert users == []
@@ -546,7 +546,7 @@ def test_summary_lists_every_step_and_a_killed_one_without_junit(tmp_path):
     _junit(junit / "test-other.xml", [("test_hf", "c", '<failure message="x"/>'), ("test_trunk", "d", "<skipped/>")])
     (junit / "test-prefill.xml").write_text("<testsuites><testsuite")     # killed while writing
     (junit / "all.collected").write_text("9\n")
-    script = Path(__file__).parent.parent / "bench" / "gpu_check_summary.py"
+    script = Path(__file__).parents[2] / "bench" / "gpu_check_summary.py"
     r = subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "steps.tsv"),
                         str(tmp_path / "missing.json"), "1", str(junit)], capture_output=True, text=True)
     assert r.returncode == 1, r.stderr
