@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""transformers with the PLE table on disk: load memory and decode speed, resident vs gds_gather.integrations.transformers.
+"""transformers with the PLE table on disk: load memory and decode speed, resident vs
+gds_gather.integrations.transformers.
 
     python3 bench/bench_hf.py make-model DIR [--kind gemma4] [--vocab 262144]   # the real per-layer shape, tiny trunk
     python3 bench/bench_hf.py memory DIR          # each load in a fresh process: peak / RSS after load and a forward
@@ -70,7 +71,8 @@ def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
     import torch
     import transformers
 
-    from gds_gather.integrations.transformers import from_pretrained   # in both cases: its modules (~4 MiB) are not the table's memory
+    # in both cases: its modules (~4 MiB) are not the table's memory
+    from gds_gather.integrations.transformers import from_pretrained
     dtype = torch.float32 if case.startswith("f32") else "auto"
     if case.endswith("offloaded"):
         model = from_pretrained(model_dir, dtype=dtype)
@@ -89,7 +91,8 @@ def measure_case(case: str, model_dir, tokens: int = 2048) -> dict:
 def run_cases(model_dir, tokens: int = 2048, jobs: int = 1, threads: int | None = None) -> dict:
     """{case: measure_case in a fresh Python process}, `jobs` processes at a time (each measures only itself).
     threads: torch's CPU threads in each (OMP_NUM_THREADS): with several, a float32 forward on a busy machine gives
-    one of two logits from run to run, resident or offloaded alike (docs/decisions/transformers-offload.md); 1 makes them comparable."""
+    one of two logits from run to run, resident or offloaded alike (docs/decisions/transformers-offload.md); 1 makes
+    them comparable."""
     from concurrent.futures import ThreadPoolExecutor
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
 
@@ -175,7 +178,8 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
           f"generations {'equal' if res['generations_equal'] else 'DIFFER'}")
     print(f"one decode step's model forward, median of {len(steps['resident'])} steps each: resident "
           f"{res['step_ms_resident']:.2f} ms, offloaded {res['step_ms_offloaded']:.2f} ms = {res['step_ratio']:.3f}x")
-    print(f"inside the PLE module in generate: a decode step resident {res['generate_ple_ms_per_step_resident'] * 1e3:.0f} us,"
+    print(f"inside the PLE module in generate: a decode step resident "
+          f"{res['generate_ple_ms_per_step_resident'] * 1e3:.0f} us,"
           f" offloaded {res['generate_ple_ms_per_step_offloaded'] * 1e3:.0f} us (medians); the {prompt}-token prompt "
           f"{res['generate_ple_ms_prompt_resident']:.2f} vs {res['generate_ple_ms_prompt_offloaded']:.2f} ms")
     st = off.gds_gather.table.stats()

@@ -9,8 +9,8 @@ Importing this package never touches the GPU, cupy or kvikio.
 from .backends import Backend, backends
 from .config import Config
 from .errors import (BackendError, BadDtypeError, BadIdsError, GatherError, HeaderError, ModelMismatchError,
-                     ModelNotFoundError, NotGGUFError, NotSafetensorsError, ReadError, RowWidthError, TableClosedError, TableLayoutError,
-                     TableNotFoundError, TruncatedFileError, UnsupportedTypeError)
+                     ModelNotFoundError, NotGGUFError, NotSafetensorsError, ReadError, RowWidthError, TableClosedError,
+                     TableLayoutError, TableNotFoundError, TruncatedFileError, UnsupportedTypeError)
 from .planner import ReadPlan, plan_rows
 from .table import DEFAULT_TENSOR, Table, open_table
 
@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "open_table", "Table", "backends", "Backend", "Config", "plan_rows", "ReadPlan", "DEFAULT_TENSOR",
     "GatherError", "NotGGUFError", "HeaderError", "TruncatedFileError", "TableNotFoundError",
-    "ModelNotFoundError", "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError", "BadDtypeError",
+    "ModelNotFoundError", "UnsupportedTypeError", "RowWidthError", "BadIdsError", "BackendError", "ReadError",
+    "BadDtypeError",
     "ModelMismatchError", "NotSafetensorsError", "TableClosedError", "TableLayoutError",
     "offload_per_layer_embeddings",
 ]

@@ -26,7 +26,7 @@ def _hot_rows_only_where_asked(request):
     """Hot-row files (on by default for users) would carry one test's row cache into another's new cache, also for
     Tables made with Config(...) directly: tests without the hot_rows marker neither read nor write them. A patch
     of its own, so a test that undoes its monkeypatch (per hypothesis example) keeps this one."""
-    if "hot_rows" in request.keywords:
+    if request.node.get_closest_marker("hot_rows") is not None:
         yield
         return
     from gds_gather.cache import hotrows
@@ -63,7 +63,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="gpu: no usable CUDA GPU on this machine")
     for item in items:
-        if "gpu" in item.keywords:
+        # the marker, not the keyword: tests/gpu/ makes "gpu" a keyword of every test in it (tests/test_gpu_marker.py)
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

@@ -95,7 +95,8 @@ def test_prompt_file_and_bad_prompt(tmp_path):
     p = tmp_path / "prompt.txt"
     p.write_text("the cat sat on the mat . the cat")
     ids = prompt_tokens(1000, (500,), p)
-    assert ids.size == 9 and ids[0] == ids[4] == ids[7] and ids[1] == ids[8] and ids[2] != ids[3] and 500 not in ids and 0 not in ids
+    assert (ids.size == 9 and ids[0] == ids[4] == ids[7] and ids[1] == ids[8] and ids[2] != ids[3]
+            and 500 not in ids and 0 not in ids)
     assert prompt_tokens(1000, (), p, n_tokens=25).size == 25
     assert np.array_equal(word_ids("a b a", 50), word_ids("a b a", 50))
     (tmp_path / "blank.txt").write_text("   \n")

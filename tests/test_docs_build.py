@@ -55,7 +55,8 @@ def test_every_page_is_in_the_nav():
 # A token inside backticks (inline or fenced) that looks like a path of this repository: one with a "/" that starts
 # at a top-level entry of the checkout or ends in a source/doc extension (resolved against the repository root, or
 # against the page for ./ and ../), or, in inline code, a bare file name with a source/doc extension (it must exist
-# somewhere in the checkout). Placeholders and wildcards (<...>, {...}, *, ..., NAME, DIR), absolute paths and URLs are not paths.
+# somewhere in the checkout). Placeholders and wildcards (<...>, {...}, *, ..., NAME, DIR), absolute paths and URLs
+# are not paths.
 _EXTS = {"py", "pyi", "sh", "c", "h", "cu", "cuh", "md", "toml", "cfg", "ini", "yml", "yaml", "txt", "json", "png"}
 _BARE_EXTS = {"py", "pyi", "sh", "c", "h", "cu", "cuh", "md", "toml", "yml", "yaml"}
 _SKIP_DIRS = {".git", "site", "node_modules", "__pycache__", ".venv", "venv", ".whl", ".pytest_cache", "build",

@@ -13,7 +13,8 @@ import gds_gather as gg
 from gds_gather import platform as pf
 from gds_gather.model.synth import write_model
 
-H200 = {"name": b"NVIDIA H200", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 0}   # as the H200 reports them
+# as the H200 reports them
+H200 = {"name": b"NVIDIA H200", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 0}
 GB10 = {"name": b"NVIDIA GB10", "integrated": 1, "pageableMemoryAccessUsesHostPageTables": 0}
 GH200 = {"name": b"NVIDIA GH200 480GB", "integrated": 0, "pageableMemoryAccessUsesHostPageTables": 1}
 MI300 = {"name": b"AMD Instinct MI300X", "integrated": 0}

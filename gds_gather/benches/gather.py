@@ -30,7 +30,8 @@ from .report import (COUNT, ROWS, TOKENS, UBATCH, GiB, HOST_BACKENDS, apply_cach
                      cold_method, data_dir, go_cold, out_dir, print_header, write_result)
 
 # A virtual disk caches on its host: on the development VM the first cold read of a trace ran 2-3x slower than later
-# ones for whichever backend read it first, whatever the backend (docs/decisions/cold-pass-method.md), and direct always came first.
+# ones for whichever backend read it first, whatever the backend (docs/decisions/cold-pass-method.md), and direct
+# always came first.
 PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts the device's own caches (a virtual "
               "disk's host cache) in the same state for every timed round, and the backends take turns going first "
               "(round r starts with backend r); resident, which loads and frees the whole table, goes last in every "

@@ -100,7 +100,8 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
     """The real model's prefill with the PLE table resident vs offloaded (A/B, interleaved, in the same process).
 
     Loads MODEL_DIR with transformers (local files only), tokenizes the prompt (default: the Python documentation
-    topics) with the model's tokenizer when the directory has one, else with gds_gather.prefill.prompts's word-level mapping,
+    topics) with the model's tokenizer when the directory has one, else with gds_gather.prefill.prompts's word-level
+    mapping,
     and runs a chunked prefill (ubatch tokens per forward, KV cache) in `repeat` rounds after one warm-up round,
     each round both ways, the order alternating. generate: also greedy-generate that many tokens after a 512-token
     prompt both ways in each round (ms per token). Medians with their spread; a ratio is reported as noise where
@@ -217,7 +218,8 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
             log(f"ratio     offloaded {res['offloaded_vs_resident']:.2f}x resident (tok/s, medians)")
         log("logits    last token: " + ("equal (torch.equal)" if res["logits_equal"] else
             f"max |diff| {max_diff:.3g} = {res['logits_max_abs_diff_vs_std']:.2%} of the logits' std ({lstd:.3g})"))
-        log(f"PLE step  {res['ple_seconds_resident'] * 1e3:,.1f} ms resident, {res['ple_seconds_offloaded'] * 1e3:,.1f} "
+        log(f"PLE step  {res['ple_seconds_resident'] * 1e3:,.1f} ms resident, "
+            f"{res['ple_seconds_offloaded'] * 1e3:,.1f} "
             f"ms offloaded per prefill (inside the per-layer embedding module; the rest is the trunk)")
         if generate:
             g = {k: [x * 1e3 for x in v] for k, v in gen_s.items()}

@@ -8,9 +8,9 @@ with the test extra's transformers). One engine per process, so the plugin is on
     python -m gds_gather.benches.vllm_ab ab DIR [--repeat 3]              # `run` off/on interleaved: medians
 
 `run` starts ``LLM(model=DIR, skip_tokenizer_init=True, enforce_eager=True)`` (token-id prompts; prefix caching off
-so each prefill is computed; a fixed 256 MiB KV cache), takes the greedy tokens of a few prompts, the engine's parameter bytes (each
-tensor once), the bytes the plugin did not allocate, the process RSS, and times a prefill (max_tokens=1 over
-long prompts) and a decode (max_tokens=N minus the max_tokens=1 run, same prompts).
+so each prefill is computed; a fixed 256 MiB KV cache), takes the greedy tokens of a few prompts, the engine's
+parameter bytes (each tensor once), the bytes the plugin did not allocate, the process RSS, and times a prefill
+(max_tokens=1 over long prompts) and a decode (max_tokens=N minus the max_tokens=1 run, same prompts).
 """
 from __future__ import annotations
 

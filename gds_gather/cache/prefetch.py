@@ -13,8 +13,8 @@ page cache serves the file; otherwise prefetch does nothing.
 Narrow rows share 4 KiB windows: the next batch's misses that the last read's windows hold whole are taken from the
 reader's staging into the row cache when noted (take_staged()), and ask no request of their own. A next batch wider
 than MAX_WINDOWS keeps the device busy by itself: reading it ahead only reorders the device's work
-(docs/decisions/prefetch-next-batch.md); its misses ride along the current read instead: those its windows hold are taken the same way
-once it is done.
+(docs/decisions/prefetch-next-batch.md); its misses ride along the current read instead: those its windows hold are
+taken the same way once it is done.
 """
 from __future__ import annotations
 
@@ -177,8 +177,8 @@ class Prefetcher:
     def declines(self) -> bool:
         """Whether to read nothing ahead now: the last read (of 16 rows or more: not a start-up's or a decode
         step's few) took most of its rows from the page cache: nothing to overlap, only look-ups to pay (a new
-        process on a warm file asking about residency in its first batch). The read that starts a prefetch has set it already, so this asks nothing of
-        the page cache."""
+        process on a warm file asking about residency in its first batch). The read that starts a prefetch has set
+        it already, so this asks nothing of the page cache."""
         pc = self.reader.last_from_page_cache
         return pc is not None and pc.shape[0] >= 16 and 2 * int(np.count_nonzero(pc)) >= pc.shape[0]
 

@@ -107,8 +107,9 @@ def drop_all() -> None:
 
 def read_unique(table, reader, rows: np.ndarray, ahead=None) -> np.ndarray:
     """read_through for sorted unique row ids, planned only where the row cache lacks some (a decode step's one or
-    few tokens: planning one row costs more than the whole hit path; docs/decisions/transformers-offload.md). Rows the page cache
-    held are admitted too: for a few rows the page-cache path's per-call cost, not the I/O, is what a hit saves."""
+    few tokens: planning one row costs more than the whole hit path; docs/decisions/transformers-offload.md). Rows
+    the page cache held are admitted too: for a few rows the page-cache path's per-call cost, not the I/O, is what a
+    hit saves."""
     cache = cache_for(table) if reader.name in CACHED_BACKENDS else None
     if cache is None or not rows.shape[0]:
         return read_through(table, reader, table.plan(rows), ahead=ahead)

@@ -18,7 +18,8 @@ class FreqSketch:
         self.table = np.full((4, self.width), 0, np.uint8)    # touched now (np.zeros: the first counts fault it in)
         self.period = max(1, period)     # the owner halves the counters every `period` accesses
         self.lib = lib          # native.library()'s: add and estimate in C (numpy's fancy indexing: ~35 ns a key
-        #                         and row, 15% of a new process's warm pass on qwen4exp; docs/decisions/row-cache-policy.md)
+        #                         and row, 15% of a new process's warm pass on qwen4exp;
+        #                         docs/decisions/row-cache-policy.md)
 
     @staticmethod
     def nbytes_for(width_hint: int) -> int:

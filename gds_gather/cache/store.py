@@ -2,10 +2,10 @@
 slot table), and its policy.
 
 Policy: TinyLFU-style (it kept more of the default text's per-batch rows than CLOCK and S3-FIFO at every budget
-tried: docs/decisions/row-cache-policy.md). Every lookup counts the batch's unique rows in a 4-row count-min sketch (uint8, halved
-every 10 x capacity counts); misses fill free slots first; once full, a miss is admitted only where its estimated
-frequency beats that of a victim drawn from a sweeping sample of slots (sampled LFU), never a slot the current
-batch hit.
+tried: docs/decisions/row-cache-policy.md). Every lookup counts the batch's unique rows in a 4-row count-min sketch
+(uint8, halved every 10 x capacity counts); misses fill free slots first; once full, a miss is admitted only where
+its estimated frequency beats that of a victim drawn from a sweeping sample of slots (sampled LFU), never a slot the
+current batch hit.
 
 Admission comes in steps (reserve, fill, settle): the bookkeeping once per batch while its reads are in flight,
 then each part's bytes into slots reserved for them (PENDING until then: no hit, no victim).
@@ -334,8 +334,8 @@ class RowCache:
     def prefault(self, k: int) -> None:
         """Fault in the pages of the next k free slots (where the next admissions land) without changing their
         bytes (MADV_POPULATE_WRITE, Linux 5.14+; nothing where the kernel lacks it). Called while a read is in
-        flight: the first touch of fresh anonymous memory (about half of an admission's cost; docs/decisions/staging-memory.md)
-        then overlaps the device."""
+        flight: the first touch of fresh anonymous memory (about half of an admission's cost;
+        docs/decisions/staging-memory.md) then overlaps the device."""
         with self.lock:                     # (close() unmaps under it)
             if self._map is None or not _POPULATE_OK[0]:
                 return

@@ -3,10 +3,10 @@
 The host reads a ubatch's rows into pinned staging while the GPU computes the previous ubatch; the captured
 graph starts with a stream wait-value node on a pinned int32 flag (cuStreamWaitValue32), so each replay blocks
 on the GPU until the host writes 1, then copies, dequantizes and computes, and re-arms the flag to 0 with a
-write-value node. No host callback and no cuFile call is inside the graph (NVIDIA's GDS release notes: cuFile's stream APIs are not
-supported in CUDA graphs); the wait and write nodes capture through the versioned `_v2` driver symbols. CUDA only: on ROCm the prefill runs
-eagerly and never builds HostFlags (see pipeline.GpuPrefill). The order of host writes, replays and the release on
-errors is gds_gather.gpu.schedule's.
+write-value node. No host callback and no cuFile call is inside the graph (NVIDIA's GDS release notes: cuFile's
+stream APIs are not supported in CUDA graphs); the wait and write nodes capture through the versioned `_v2` driver
+symbols. CUDA only: on ROCm the prefill runs eagerly and never builds HostFlags (see pipeline.GpuPrefill). The order
+of host writes, replays and the release on errors is gds_gather.gpu.schedule's.
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ class DiskEmbedding(torch.nn.Module):
         if self.table.closed:
             raise TableClosedError(f"the per-layer embedding table {self.table.path} was closed (handle.close(), or "
                                    f"the end of a `with` block): this model cannot compute its per-layer inputs any "
-                                   f"more; load it again (gds_gather.integrations.transformers.from_pretrained) or keep the handle open")
+                                   f"more; load it again (gds_gather.integrations.transformers.from_pretrained) "
+                                   f"or keep the handle open")
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
         self._check(ids_np)
         if input_ids.device.type == "cuda":

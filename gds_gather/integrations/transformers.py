@@ -100,7 +100,7 @@ def offload_per_layer_embeddings(model, source=None, backend: str = "auto", *, t
     return handle
 
 
-# ---- loading a model without its table: gds_gather.integrations.transformers.from_pretrained -------------------------------------------
+# ---- loading a model without its table: gds_gather.integrations.transformers.from_pretrained -------------------------
 
 PLE_KEY_PATTERN = r"embed_tokens_per_layer\.weight$"     # the checkpoint key left unread (text and multimodal)
 
@@ -116,7 +116,8 @@ class _NotLoaded(torch.nn.Module):
         self.scalar_embed_scale = float(getattr(module, "scalar_embed_scale", 1.0))
 
     def forward(self, input_ids):
-        raise ModelMismatchError("the per-layer embedding was not loaded (gds_gather.integrations.transformers.from_pretrained did not finish)")
+        raise ModelMismatchError("the per-layer embedding was not loaded "
+                                 "(gds_gather.integrations.transformers.from_pretrained did not finish)")
 
 
 def _without_table(cls):

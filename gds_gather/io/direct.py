@@ -338,8 +338,8 @@ class _Engines(_FdReader):
         self._lib = None
         parts = [("O_DIRECT aligned windows" if self.odirect else "buffered exact rows")]
         if engine == "auto" and self.memory_fs:
-            # io_uring hands buffered tmpfs reads to kernel workers, slower than pread threads (docs/decisions/queue-depth.md);
-            # from memory, threads calling pread are the fast path
+            # io_uring hands buffered tmpfs reads to kernel workers, slower than pread threads
+            # (docs/decisions/queue-depth.md); from memory, threads calling pread are the fast path
             engine = "threads"
             self.notices.append("memory filesystem: native pread threads instead of io_uring")
         if engine in ("auto", "uring"):

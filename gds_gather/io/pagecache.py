@@ -9,7 +9,8 @@ copying rows believed resident, 8 of their pages are checked, and any miss refre
 never turns the copy into one major fault per row; MADV_RANDOM keeps a lone evicted page's fault to that page).
 Where the kernel has cachestat (Linux 6.5+), a due refresh first asks it how many of the span's pages are cached
 (one syscall): none, or the same count as last time with nothing evicted, skips the mincore. mincore rather than
-RWF_NOWAIT reads: a NOWAIT miss still reads the pages into the page cache (docs/decisions/page-cache-mincore.md has the figures).
+RWF_NOWAIT reads: a NOWAIT miss still reads the pages into the page cache (docs/decisions/page-cache-mincore.md has
+the figures).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class Residency:
     # A batch whose rows touch at most span pages / EXACT_DIV pages asks mincore about its own rows (one native call,
     # one mincore per row) instead of building a map of the whole span, until those calls have cost as much as one
     # map refresh would (estimated at MINCORE_NS_PER_PAGE; then the map, as for wide batches): a new Table's first
-    # batches skip the refresh, a long run pays at most twice the cheaper way (figures: docs/decisions/page-cache-residency.md).
+    # batches skip the refresh, a long run pays at most twice the cheaper way (figures:
+    # docs/decisions/page-cache-residency.md).
     EXACT_DIV = 64
     MINCORE_NS_PER_PAGE = 15.0     # a whole-span mincore's cost per page (docs/decisions/page-cache-residency.md)
 
@@ -255,8 +257,8 @@ class Residency:
         Rows of PREAD_MIN_ROW bytes or more are pread (runs of adjacent rows as one read): a page touched through the
         mapping joins this process's RSS, and where the kernel maps large folios whole one row maps up to 2 MiB of
         the file. Narrower rows are copied out of the mapping, where pread's per-call cost dominates (see
-        docs/decisions/page-cache-copy.md), by several threads for a large batch, as is everything where the native helpers are
-        missing (by one)."""
+        docs/decisions/page-cache-copy.md), by several threads for a large batch, as is everything where the native
+        helpers are missing (by one)."""
         if row_bytes < PREAD_MIN_ROW or self._lib is None:
             threads = _threads(rows.shape[0], COPY_PER_THREAD)
             if self._lib is not None and threads > 1:

@@ -25,7 +25,8 @@ from ..planner import ReadPlan, windows
 from .native import RowsAt
 from .storage import close_mapping
 
-# (neighbours in touching blocks merge into fewer windows, which costs less than the bytes saved; docs/decisions/alignment-and-gaps.md).
+# (neighbours in touching blocks merge into fewer windows, which costs less than the bytes saved;
+# docs/decisions/alignment-and-gaps.md).
 MIN_ALIGN = 4096
 # KvikIO uses GPU-direct storage only for page-aligned reads ("all reads should be at an offset that is a multiple
 # of 4096 bytes", kvikio's docs); default_align may window wide rows at the device's 512-B logical block, so plans
@@ -224,8 +225,8 @@ class Staging:
 
 
 # O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: faulting in a fresh one
-# costs far more than registering a faulted one with a new ring (docs/decisions/staging-memory.md). One buffer of at most
-# POOL_MAX_BYTES is kept; release_staging_pool() frees it.
+# costs far more than registering a faulted one with a new ring (docs/decisions/staging-memory.md). One buffer of at
+# most POOL_MAX_BYTES is kept; release_staging_pool() frees it.
 POOL_MAX_BYTES = 256 << 20
 _POOL: list = []
 _POOL_LOCK = threading.Lock()

@@ -80,8 +80,8 @@ def syscall(nr: int, *args) -> int:
 
 def enter(ring_fd: int, to_submit: int, wait: int, flags: int = ENTER_GETEVENTS, arg=None, arg_size: int = 0) -> int:
     """io_uring_enter: submit `to_submit` entries and wait for `wait` completions; returns the entries taken."""
-    return syscall(SYS_ENTER, ctypes.c_int(ring_fd), ctypes.c_uint(to_submit), ctypes.c_uint(wait), ctypes.c_uint(flags),
-               arg, ctypes.c_size_t(arg_size))
+    return syscall(SYS_ENTER, ctypes.c_int(ring_fd), ctypes.c_uint(to_submit), ctypes.c_uint(wait),
+                   ctypes.c_uint(flags), arg, ctypes.c_size_t(arg_size))
 
 
 def full_barrier() -> None:

@@ -9,10 +9,10 @@ The default prompt is the standard library's documentation topics (pydoc_data), 
 A prompt file is read only as far as needed: in 64 KiB chunks, decoded as UTF-8 (undecodable bytes become U+FFFD,
 as `errors="replace"`), tokenized chunk by chunk until `n_tokens` ids exist, and never past MAX_PROMPT_BYTES (the
 text read so far then counts as the whole prompt). Chunks are cut only where the tokenizer's `safe_cut` says the
-ids of the parts equal the ids of the whole (before a space that follows a non-space; see gds_gather.prefill.tokenizer), so
-the ids are those a full read gives; text with no such cut in MAX_UNCUT characters (no spaces at all, e.g. Chinese)
-is cut there anyway, which may change the few ids at that point but keeps the memory bounded. Only regular files
-are read: a directory, FIFO, socket or device is refused.
+ids of the parts equal the ids of the whole (before a space that follows a non-space; see
+gds_gather.prefill.tokenizer), so the ids are those a full read gives; text with no such cut in MAX_UNCUT characters
+(no spaces at all, e.g. Chinese) is cut there anyway, which may change the few ids at that point but keeps the
+memory bounded. Only regular files are read: a directory, FIFO, socket or device is refused.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ llama.cpp runs it (src/llama-vocab.cpp):
 
 - ``gpt2``: byte-level BPE (Qwen, qwen4exp, Llama 3, ...). The text is pre-tokenized with the regexes llama.cpp
   keeps for `tokenizer.ggml.pre` (qwen2, qwen35, llama3/llama-bpe, gpt-2, mpt, starcoder, refact, command-r,
-  falcon, default, ...; see `pretokenizer.PRE`: a name not there is refused with a TokenizerError naming the supported ones, as
-  llama.cpp refuses an unknown one; deepseek-coder/deepseek-llm are among the refused), each piece's
+  falcon, default, ...; see `pretokenizer.PRE`: a name not there is refused with a TokenizerError naming the
+  supported ones, as llama.cpp refuses an unknown one; deepseek-coder/deepseek-llm are among the refused), each piece's
   UTF-8 bytes are mapped to the GPT-2 byte-to-unicode alphabet and merged by `tokenizer.ggml.merges` rank (lowest
   rank first, leftmost first on ties: llama.cpp's bigram queue). Results are cached per piece.
 - ``llama``: SentencePiece BPE (Gemma 3n, Llama 2, ...), llama.cpp's llm_tokenizer_spm: spaces become U+2581,

@@ -52,7 +52,7 @@ def test_device_destinations_on_the_host_accel(tmp_path, capsys, monkeypatch):
     assert "cuFile stand-in" in got[("gpu:gds", "cold")]["how"]
     assert got[("gpu:direct", "cold")]["how"] and got[("gpu:direct", "cold")]["how"] != got[("gpu:gds", "cold")]["how"]
     assert "cold: gpu:direct / direct (host)" in out and "cold: gpu:gds / direct (host)" in out
-    assert f"(a copy on {shm})" in " ".join(out.split()) and list(shm.iterdir()) == []         # the tmpfs copies are removed
+    assert f"(a copy on {shm})" in " ".join(out.split()) and list(shm.iterdir()) == []   # the tmpfs copies are removed
     fw = t["fio_warm"]
     if res["facts"]["fio"] != "not installed":
         assert fw["iops"] > 0 and fw["jobs"] >= 1 and "--ioengine=psync" in fw["cmd"]

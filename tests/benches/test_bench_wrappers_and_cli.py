@@ -145,7 +145,8 @@ def test_gather_bench_tiny(tmp_path, capsys):
         assert t["ids"] == 512 * per_tok
         got = {(r["backend"], r["cache"]): r for r in t["runs"]}
         want = {(b, p) for b in ("direct", "pread", "mmap", "readahead")
-                for p in ("cold", "again", "warm", "newproc", "restart")} | {("resident", "again"), ("resident", "warm")}
+                for p in ("cold", "again", "warm", "newproc", "restart")} | {("resident", "again"),
+                                                                              ("resident", "warm")}
         assert set(got) == want
         for r in t["runs"]:
             assert r["rows_per_s"] > 0 and r["ids"] == t["ids"] and 0 < r["unique"] <= r["ids"]

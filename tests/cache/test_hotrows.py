@@ -65,7 +65,8 @@ def test_a_new_process_finds_the_last_runs_rows(table):
     code = ("import sys, numpy as np, gds_gather as gg; from gds_gather.io import measure; "
             "from gds_gather.config import Config; "
             f"cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes={cfg.cache_bytes}); "
-            f"measure.evict_file({str(path)!r}); t = gg.open_table({str(path)!r}, config=cfg); x = t.gather(np.arange(0, 4000, 7), backend='direct'); "
+            f"measure.evict_file({str(path)!r}); t = gg.open_table({str(path)!r}, config=cfg); "
+            "x = t.gather(np.arange(0, 4000, 7), backend='direct'); "
             "s = t.stats(); print(s['hot_rows_loaded'], s['rows_from_cache']); np.save(sys.argv[1], x); t.close()")
     env = {**os.environ, "GDS_GATHER_HOT_ROWS": "1"}
     outs = []
@@ -123,8 +124,10 @@ def test_a_corrupt_hot_file_is_ignored_with_a_warning(table, caplog, damage):
 
 def test_two_writers_at_once_leave_a_valid_file(table):
     path, cfg = table
-    code = ("import numpy as np, gds_gather as gg; from gds_gather.io import measure; from gds_gather.cache import rowcache; "
-            f"from gds_gather.config import Config; cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes=65536)\n"
+    code = ("import numpy as np, gds_gather as gg; from gds_gather.io import measure; "
+            "from gds_gather.cache import rowcache; "
+            "from gds_gather.config import Config; "
+            f"cfg = Config.from_env(hot_rows=1, cache_dir={str(cfg.cache_dir)!r}, cache_bytes=65536)\n"
             "for k in range(20):\n"
             "    rowcache.drop_all(); measure.evict_file(%r)\n" % str(path) +
             f"    t = gg.open_table({str(path)!r}, config=cfg)\n"

@@ -1,10 +1,10 @@
 """The device-resident row cache of the GPU prefill (gds_gather/gpu/devcache.py), on the CPU.
 
-The host half (`source.through` with `source.DeviceRows`: lookup, reads of the misses, admissions) is the code the GPU prefill runs; the
-device half is played by `emulate` (below) on a numpy pool, in stream order and one ubatch behind the host as
-the double-buffered prefill runs it. Every ubatch's rows must be the file's bytes, for any batches, budgets and
-both destinations (copy: misses packed in a host buffer; gds: misses' windows read into the slot's region). The
-copy kernels' source is built and run as host C++ and compiled for sm_90 and two AMD targets.
+The host half (`source.through` with `source.DeviceRows`: lookup, reads of the misses, admissions) is the code the GPU
+prefill runs; the device half is played by `emulate` (below) on a numpy pool, in stream order and one ubatch behind
+the host as the double-buffered prefill runs it. Every ubatch's rows must be the file's bytes, for any batches,
+budgets and both destinations (copy: misses packed in a host buffer; gds: misses' windows read into the slot's
+region). The copy kernels' source is built and run as host C++ and compiled for sm_90 and two AMD targets.
 """
 from __future__ import annotations
 

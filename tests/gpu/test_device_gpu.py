@@ -201,7 +201,8 @@ def test_read_error_mid_prefill_returns_promptly(tmp_path, backend, platform, gr
         assert "REFUSED" in out and "AGAIN 6" in out
 
 
-# ---- the GPU-code review's findings (issue 17), on a real GPU; tests/gpu/test_cuda_glue_on_a_fake_device.py shows each on the CPU -----
+# ---- the GPU-code review's findings (issue 17), on a real GPU; tests/gpu/test_cuda_glue_on_a_fake_device.py shows
+# each on the CPU -----
 def test_side_stream_gather_copies_and_launches_on_torchs_stream(tmp_path, ggufs, monkeypatch):
     """Finding 1: with the legacy stream busy (a sleep queued on it inside each fetch), a gather under
     torch.cuda.stream(s) with stream=None must still see its own staging: copies and kernel all on s."""

@@ -497,7 +497,8 @@ def test_stream_handles():
             return (0, 0xBEEF)
     assert dg._stream_handle(Proto(), "cupy", 0) == 0xBEEF
     assert dg._stream_handle(np.int64(77), "cupy", 0) == 77
-    with pytest.raises(TypeError, match="stream must be a torch or cupy stream, a raw handle \\(int\\) or None, got 'x'"):
+    with pytest.raises(TypeError,
+                       match="stream must be a torch or cupy stream, a raw handle \\(int\\) or None, got 'x'"):
         dg._stream_handle("x", "cupy", 0)
 
 

@@ -1,4 +1,5 @@
-"""The prefill's host-side schedule (gds_gather.gpu.schedule) against a stand-in device with the GPU's ordering contract.
+"""The prefill's host-side schedule (gds_gather.gpu.schedule) against a stand-in device with the GPU's ordering
+contract.
 
 The stand-in's "stream" is a thread running queued steps in order; a gated step blocks until the host sets its
 slot's flag, exactly as the captured cuStreamWaitValue32 node does, and then re-arms the flag. Each step reads
@@ -283,7 +284,8 @@ def test_staging_bound_is_tight_enough():
     """Not absurdly large: within 2 blocks + the gap per id of what scattered rows really need."""
     assert staging_bound(1000, 90, 4096) == 1000 * 8192
     assert staging_bound(1000, 90, 4096, max_gap=1 << 20, max_waste=16.0) == 1000 * 8192   # 16 x 90 < 1 block
-    assert staging_bound(1000, 7392, 4096, max_gap=1 << 20, max_waste=16.0) == 1000 * (3 * 4096 + 118272 - 118272 % 4096)
+    assert (staging_bound(1000, 7392, 4096, max_gap=1 << 20, max_waste=16.0)
+            == 1000 * (3 * 4096 + 118272 - 118272 % 4096))
     assert staging_bound(0, 90, 4096) == 0
 
 

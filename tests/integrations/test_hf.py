@@ -2,8 +2,8 @@
 
 Tiny text models are built from small configs with random weights (no download), saved with save_pretrained,
 and loaded twice: one copy stays as it is (transformers' own load), the other gets offload_per_layer_embeddings
-or is loaded by gds_gather.integrations.transformers.from_pretrained (without its table). Also gguf's quantizer for the error bounds, and
-/proc/self/status of fresh processes for the memory a load takes.
+or is loaded by gds_gather.integrations.transformers.from_pretrained (without its table). Also gguf's quantizer for
+the error bounds, and /proc/self/status of fresh processes for the memory a load takes.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from gds_gather.benches.tiny import add_noise, text_model  # noqa: E402
 from gds_gather.cli import main  # noqa: E402
 from gds_gather.integrations.convert import convert  # noqa: E402
 from gds_gather.errors import ModelMismatchError  # noqa: E402
-from gds_gather.integrations.transformers import (DiskEmbedding, error_bound, from_pretrained, offload_per_layer_embeddings,  # noqa: E402
-                           parameter_bytes)
+from gds_gather.integrations.transformers import (DiskEmbedding, error_bound, from_pretrained,  # noqa: E402
+                                                  offload_per_layer_embeddings, parameter_bytes)
 
 VOCAB, N_LAYER, PER_LAYER = 384, 4, 16
 PLE_NAME = "model.embed_tokens_per_layer.weight"
@@ -156,7 +156,8 @@ def test_quantized_table_within_tolerance(models, tmp_path, capsys):
                 pb = model.get_per_layer_input_embeddings()(ids)
                 la, lb = ref(ids).logits, model(ids).logits
             scale = PER_LAYER ** 0.5
-            assert float((pa - pb).abs().max()) <= h.table.field("gds_gather.integrations.convert.max_abs_error") * scale * 1.0001
+            assert (float((pa - pb).abs().max())
+                    <= h.table.field("gds_gather.integrations.convert.max_abs_error") * scale * 1.0001)
             assert not torch.equal(la, lb)       # the table reaches the logits: this test can fail
             torch.testing.assert_close(lb, la, rtol=0, atol=0.25 * float(la.std()))
 
@@ -359,7 +360,7 @@ def test_offload_on_cuda_ids(models, tmp_path):
                 assert out.device == ids.device and out.dtype == getattr(torch, dtype)
 
 
-# ---- gds_gather.integrations.transformers.from_pretrained ----------------------------------------------------------------------------
+# ---- gds_gather.integrations.transformers.from_pretrained ------------------------------------------------------------
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PLE_KEY = "model.embed_tokens_per_layer.weight"
@@ -542,7 +543,8 @@ def test_multimodal_model_class(tmp_path):
 
 # the real per-layer shape is 262,144 x 4 x 256; here the vocabulary is 65,536 (a 128 MiB bf16 table, 256 MiB in
 # float32): the real shape takes ~12 s to write and ~35 s to measure on the development VM, too long for the suite
-# (bench/bench_hf.py memory measures it); the bounds below stay unambiguous at this size (see docs/decisions/transformers-offload.md)
+# (bench/bench_hf.py memory measures it); the bounds below stay unambiguous at this size (see
+# docs/decisions/transformers-offload.md)
 MEM_VOCAB = 65536
 
 

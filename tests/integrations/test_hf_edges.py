@@ -1,7 +1,7 @@
-"""The transformers integration's refusals and descriptions on a tiny Gemma 4 (the rows checked against the model's own weight): a model
-without per-layer embeddings, a second offload, a handle's use()/release() misuse, a model not loaded from a
-directory, from_pretrained with verify_rows=0 (said in the log), run_hf_prefill's argument checks; and its
-resolution branches: a checkpoint found in the local Hugging Face cache by hub id, a config no causal-LM class
+"""The transformers integration's refusals and descriptions on a tiny Gemma 4 (the rows checked against the model's
+own weight): a model without per-layer embeddings, a second offload, a handle's use()/release() misuse, a model not
+loaded from a directory, from_pretrained with verify_rows=0 (said in the log), run_hf_prefill's argument checks; and
+its resolution branches: a checkpoint found in the local Hugging Face cache by hub id, a config no causal-LM class
 maps, a model directory without a safetensors checkpoint, the prefill's HF tokenizer wrapper against the tokenizers
 library's own encoding, the model classes, shared and meta-device weights."""
 from __future__ import annotations
@@ -46,7 +46,8 @@ def test_handle_and_module_describe_themselves(ckpt):
         ids = torch.tensor([[0, 511, 3]])
         assert torch.equal(m.rows(ids), want[ids])
         assert h.rows_read == 3 and h.bytes_freed == 0          # keep_original: nothing freed yet
-        assert repr(h) == f"OffloadHandle({str(h.table.path)!r}, F32, freed=0, rows_read=3, backend=direct)"  # auto: direct
+        # auto: direct
+        assert repr(h) == f"OffloadHandle({str(h.table.path)!r}, F32, freed=0, rows_read=3, backend=direct)"
         assert f"512, 32, table={str(h.table.path)!r} (F32), dtype=torch.float32, backend=auto" in repr(m)
         with pytest.raises(ModelMismatchError, match="already on disk"):
             hf.offload_per_layer_embeddings(model)

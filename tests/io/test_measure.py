@@ -68,7 +68,8 @@ def test_machine_facts(tmp_path):
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Test CPU @ 3.0GHz\nflags\t: fpu\n")
     f = measure.machine_facts(tmp_path / "f", cpuinfo=tmp_path / "cpuinfo")
     assert f["cpu"] == "Test CPU @ 3.0GHz" and f["cores"] == os.cpu_count() and f["file"] == str(tmp_path / "f")
-    assert f["file_GiB"] == 0.0 and f["logical_block"] >= 512 and f["platform"] in ("discrete", "unified", "rocm", "cpu")
+    assert (f["file_GiB"] == 0.0 and f["logical_block"] >= 512
+            and f["platform"] in ("discrete", "unified", "rocm", "cpu"))
     assert measure.machine_facts(cpuinfo=tmp_path / "none")["cpu"] == "?" and "file" not in measure.machine_facts()
 
 

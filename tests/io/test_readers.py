@@ -400,7 +400,8 @@ def prop_table(tmp_path_factory):
     from gds_gather.formats.quants import row_bytes
     rows = np.random.default_rng(11).integers(0, 256, (7000, row_bytes(Q.Q8_0, 160)), dtype=np.uint8)
     import importlib.util
-    spec = importlib.util.spec_from_file_location("_cf", os.path.join(os.path.dirname(os.path.dirname(__file__)), "conftest.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_cf", os.path.join(os.path.dirname(os.path.dirname(__file__)), "conftest.py"))
     cf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cf)
     p = cf.write_gguf(tmp_path_factory.mktemp("prop") / "prop.gguf", rows, Q.Q8_0)

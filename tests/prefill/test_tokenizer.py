@@ -122,7 +122,8 @@ def test_gpt2_special_tokens(gpt2):
 
 
 @pytest.mark.parametrize("text", [
-    "the theme", "  The café costs 42 € — naïve 日本語!\n\n\tx = f(y) # don't\r\n", "", " ", "\n", "a<think>b<think>"])
+    "the theme", "  The café costs 42 € — naïve 日本語!\n\n\tx = f(y) # don't\r\n", "", " ", "\n",
+    "a<think>b<think>"])
 def test_gpt2_decode_round_trips(gpt2, text):
     assert gpt2.decode(gpt2.encode(text)) == text
 
