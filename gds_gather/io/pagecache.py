@@ -64,7 +64,7 @@ def _mincore_trusted(path) -> bool:
 
 PREAD_MIN_ROW = 1024    # page-cache rows at least this wide are pread, narrower ones copied from the mapping
 # ... by up to PREAD_THREADS native threads, one per PREAD_PER_THREAD runs of rows (a new process's first copy of
-# page-cache pages costs ~5 us a row, which threads share: docs/decisions/page-cache-copy.md)
+# page-cache pages is its page faults, which threads share: docs/decisions/page-cache-copy.md)
 PREAD_THREADS, PREAD_PER_THREAD = 4, 64
 # ... and the narrower ones by up to that many native threads too, one per COPY_PER_THREAD rows: a new mapping's copy
 # is its page faults, which threads take in parallel (docs/decisions/page-cache-copy.md)
@@ -239,7 +239,7 @@ class Residency:
         them): a bulk eviction since the last refresh (memory pressure, a benchmark going cold) shows up here, so
         the copy never turns into one major fault per row."""
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
-        if self._lib is not None:       # one native call (a ctypes mincore is ~15 us; 8 were 0.17 ms a batch)
+        if self._lib is not None:       # one native call, not a ctypes call per run
             return bool(native.mincore_rows(self._lib, self._base.ctypes.data, pick + self.page0,
                                             np.ones(pick.shape[0], np.int64), PAGE,
                                             -(-len(self._mm) // PAGE)).all())
