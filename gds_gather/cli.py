@@ -63,6 +63,7 @@ def cmd_info(args, cfg: Config) -> int:
         d["model"] = str(t.model_path)
         from .integrations.convert import describe
         d["convert"] = describe(t)
+        d["memory"] = _memory_facts(t, cfg)
     plat = detect(cfg.platform)
     d["platform"] = {"kind": plat.kind, "reason": plat.reason, "device": plat.device, "path": plat.path}
     d["backends"] = [b.as_dict() for b in backends(cfg)]
@@ -81,6 +82,7 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  table          {human_bytes(d['table_bytes'])} at offset {d['data_offset']:,} "
           f"(F32 would be {human_bytes(d['f32_bytes'])}, {d['f32_bytes'] / d['table_bytes']:.1f}x)")
     print(f"  storage        {d['filesystem']}, O_DIRECT alignment {d['align']} B")
+    print(fit(f"  memory         {_memory_line(d['memory'])}", " " * 17))
     print(f"  platform       {plat.kind}: {plat.reason}")
     print(f"  GPU path       {plat.path}")
     print("  backends")
@@ -89,6 +91,30 @@ def cmd_info(args, cfg: Config) -> int:
         print(fit(f"    {b['name']:<10} {mark}  {b['reason']}", " " * 19))
     print(f"  auto           {d['auto']}: {d['auto_reason']}")
     return 0
+
+
+def _memory_facts(t, cfg: Config) -> dict:
+    """What this process may use (io/memory.py), the row cache budget it gives and whether the whole table fits."""
+    from .cache import rowcache
+    from .io import memory
+    lim = memory.limits(cfg.memory_root)
+    avail = memory.available(lim)
+    b = rowcache.table_budget(t, lim)
+    too_large = cfg.cache_bytes > 0 and avail is not None and min(cfg.cache_bytes, t.n_bytes) > avail
+    return {"available_bytes": avail, "source": memory.source(lim), "cgroup_limit_bytes": lim.cgroup_limit,
+            "cgroup_usage_bytes": lim.cgroup_usage, "cgroup": lim.cgroup_source,
+            "mem_available_bytes": lim.mem_available, "cache_budget_bytes": b.bytes,
+            "cache_budget_reason": b.reason + ("; too large: reads through the cache are refused" if too_large
+                                               else ""),
+            "resident_fits": None if avail is None else t.n_bytes <= avail}
+
+
+def _memory_line(m: dict) -> str:
+    avail = "unknown" if m["available_bytes"] is None else human_bytes(m["available_bytes"])
+    fits = {True: "resident fits", False: "resident does not fit (the table is larger)",
+            None: "resident: unknown"}[m["resident_fits"]]
+    return (f"{avail} available ({m['source']}); row cache budget {human_bytes(m['cache_budget_bytes'])} "
+            f"({m['cache_budget_reason']}); {fits}")
 
 
 def cmd_make_model(args, cfg: Config) -> int:
@@ -218,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON line on stdout (the human lines go to stderr)")
     s.add_argument("--cache", type=functools.partial(parse_size, allow_auto=True), default=None, metavar="BYTES",
                    help="row cache budget: bytes (K/M/G suffixes), 0 = off, auto = 10%% of the table up to 256 MiB "
+                        "and 1/8 of the memory available; one too large for that memory is refused "
                         "(default: GDS_GATHER_CACHE_BYTES, else auto)")
     s.set_defaults(func=cmd_prefill)
 

@@ -37,7 +37,8 @@ class Config:
     engine: str = "auto"        # GDS_GATHER_ENGINE: how `direct` submits: auto | uring | threads
     cache_dir: Path = _default_cache_dir()   # GDS_GATHER_CACHE_DIR: where the built-in default model is kept
     cache_bytes: int = -1       # GDS_GATHER_CACHE_BYTES: row cache budget (rows + index), shared by the Tables of one
-    #                             file; -1 = auto: 10% of the table, at most 256 MiB; 0 = no cache (see rowcache.py)
+    #                             file; -1 = auto: 10% of the table, at most 256 MiB and 1/8 of the
+    #                             memory available (io/memory.py); 0 = no cache (see rowcache.py)
     page_cache_reads: int = 1   # GDS_GATHER_PAGE_CACHE_READS: direct copies rows the page cache holds (mincore) and
     #                             reads only the rest O_DIRECT; 0 = everything O_DIRECT
     hot_rows: int = 1           # GDS_GATHER_HOT_ROWS: the row cache's rows saved in cache_dir/hot when a Table closes
@@ -47,6 +48,8 @@ class Config:
     vllm_table: Path | None = None   # GDS_GATHER_VLLM_TABLE: the plugin's table file (default: the checkpoint)
     prefetch: int = 1           # GDS_GATHER_PREFETCH: 1 = Table.prefetch(ids) reads the next batch ahead (prefetch.py);
     #                             0 = it does nothing
+    memory_root: Path | None = None  # GDS_GATHER_MEMORY_ROOT: read the memory limits (cgroup, /proc/meminfo) under
+    #                             this directory instead of / (tests: a fake tree; io/memory.py)
 
     def __post_init__(self) -> None:
         # every message names the variable (and the field, for Config(...) callers)
@@ -77,7 +80,7 @@ class Config:
             raw = env.get(ENV_PREFIX + f.name.upper())
             if raw is None or raw == "":
                 continue
-            if f.name in ("cache_dir", "vllm_table"):     # paths keep their case
+            if f.name in ("cache_dir", "vllm_table", "memory_root"):     # paths keep their case
                 kw[f.name] = Path(raw)
             elif f.type in ("float", float):
                 try:

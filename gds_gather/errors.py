@@ -99,6 +99,11 @@ class SizeError(GatherError, argparse.ArgumentTypeError, ValueError):
     name) and a ValueError for every other caller."""
 
 
+class MemoryBudgetError(GatherError, ValueError):
+    """An explicit budget (the row cache's) larger than the memory this process may use: one line naming the value,
+    the limit and where the limit came from (io/memory.py)."""
+
+
 class CompileError(BackendError):
     """The compiler refused a run-time build (io/cbuild.py); `output` is what it printed (stderr)."""
 

@@ -248,7 +248,8 @@ class Table:
         prefetch() into the row cache, a part of rows_from_device; the read that wants them finds them there as
         cache hits: the sources add up to the rows read plus these), cache_hits,
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
-        caches hold now), cache_budget_bytes, bytes_requested (bytes asked of the file by every reader)."""
+        caches hold now), cache_budget_bytes and cache_budget_reason (why that size), bytes_requested (bytes asked of
+        the file by every reader)."""
         st = rowcache.stats(self, self.device_path.caches(),
                             sum(r.bytes_read for r in self._readers.values()) + self.device_path.bytes_read)
         for ahead in self._ahead.values():

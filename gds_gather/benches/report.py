@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import measure
+from ..cache.rowcache import AUTO_MEMORY_SHARE
+from ..io import measure, memory
 from ..prefill.run import MAX_UBATCH
 from ..units import int_in
 from ..units import fit, parse_size
@@ -155,6 +156,9 @@ def bench_facts(path, cfg: Config) -> dict:
     io = measure.ReadCounter(path)
     f.update(device=block_device(path), fio=fio_version(), delivered_method=io.stop()["delivered_method"],
              device_method=io.device_method)
+    lim = memory.limits(cfg.memory_root)
+    f.update(memory_available_bytes=memory.available(lim), memory_source=memory.source(lim),
+             memory_cgroup_limit_bytes=lim.cgroup_limit)
     return f
 
 
@@ -175,6 +179,7 @@ def print_header(name: str, f: dict, extra=(), quick: bool = False) -> None:
                      "PASS/MISS verdicts")
     lines += [f"machine  {f['cpu']}, {f['cores']} cores, {f['mem_GiB']} GiB RAM, Linux {f['kernel']}, "
               f"Python {f['python']}, numpy {f['numpy']}",
+              memory_line(f),
               f"gpu      {f['gpu']}; driver {f['driver']}; GDS {f['gds']}",
               f"platform {f['platform']}: {f['platform_reason']}",
               f"storage  {f['file']} ({f['file_GiB']} GiB): {f['filesystem']} on {f['device']}, "
@@ -187,6 +192,14 @@ def print_header(name: str, f: dict, extra=(), quick: bool = False) -> None:
     for line in lines:
         print(fit("# " + line, "#          "))
     sys.stdout.flush()
+
+
+def memory_line(f: dict) -> str:
+    """The header's memory limit: what this process may use and where that came from (the budgets follow it)."""
+    avail = f.get("memory_available_bytes")
+    return (f"memory   {'unknown' if avail is None else f'{avail / GiB:.1f} GiB'} available to this process "
+            f"({f.get('memory_source', 'not read')}); the row cache's auto budget takes at most "
+            f"1/{AUTO_MEMORY_SHARE} of it")
 
 
 def machine_title(f: dict) -> str:

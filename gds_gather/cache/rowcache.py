@@ -14,10 +14,12 @@ import atexit
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import forksafe
+from ..errors import MemoryBudgetError
+from ..io import forksafe, memory
 from . import hotrows
 from ..io import native
 from . import source
@@ -26,13 +28,49 @@ from .store import RowCache, capacity_for
 log = logging.getLogger(__name__)
 
 CACHED_BACKENDS = ("direct", "gds")   # the engine; the baselines stay faithful to what they emulate (no cache)
-AUTO_MAX_BYTES = 256 << 20            # auto budget: 10% of the table, at most this
+AUTO_MAX_BYTES = 256 << 20            # auto budget: 10% of the table, at most this and AUTO_MEMORY_SHARE
+AUTO_MEMORY_SHARE = 8                 # auto budget: at most 1/8 of the memory this process may still use (the
+#                                       staging, the model and the page cache of the rows it misses need the rest)
 MAX_FILES = 4                         # caches kept per process (least recently used first out)
 
 
-def budget_for(cfg_bytes: int, table_bytes: int) -> int:
-    """The byte budget: cfg_bytes when >= 0 (0 disables), else auto = min(10% of the table, 256 MiB)."""
-    return int(cfg_bytes) if cfg_bytes >= 0 else int(min(table_bytes // 10, AUTO_MAX_BYTES))
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    reason: str         # why this size, in words ("auto: 10% of the table", "set (...)", "off")
+
+
+def budget(cfg_bytes: int, table_bytes: int, available: int | None = None) -> Budget:
+    """The byte budget: cfg_bytes when >= 0 (0 disables), else auto = the least of 10% of the table, AUTO_MAX_BYTES
+    and 1/AUTO_MEMORY_SHARE of `available` (the bytes this process may still use, memory.available; None: no
+    such term)."""
+    if cfg_bytes >= 0:
+        return Budget(int(cfg_bytes), "set (GDS_GATHER_CACHE_BYTES or --cache)" if cfg_bytes else "off")
+    terms = [(table_bytes // 10, "10% of the table"), (AUTO_MAX_BYTES, f"the {AUTO_MAX_BYTES >> 20} MiB cap")]
+    if available is not None:
+        terms.append((available // AUTO_MEMORY_SHARE, f"1/{AUTO_MEMORY_SHARE} of the memory available"))
+    size, why = min(terms, key=lambda t: t[0])
+    return Budget(int(size), "auto: " + why)
+
+
+def budget_for(cfg_bytes: int, table_bytes: int, available: int | None = None) -> int:
+    """budget(...)'s bytes."""
+    return budget(cfg_bytes, table_bytes, available).bytes
+
+
+def table_budget(table, limits: memory.Limits | None = None) -> Budget:
+    """This table's row cache budget against `limits` (default: this process's, read once: memory.limits)."""
+    limits = memory.limits(table.config.memory_root) if limits is None else limits
+    return budget(table.config.cache_bytes, table.n_bytes, memory.available(limits))
+
+
+def check_budget(cfg_bytes: int, table_bytes: int, limits: memory.Limits) -> None:
+    """Refuse (one line) an explicit budget whose memory, min(budget, the table), exceeds what this process may
+    still use: the cache would be killed for memory, not hold the rows."""
+    avail = memory.available(limits)
+    if cfg_bytes > 0 and avail is not None and min(cfg_bytes, table_bytes) > avail:
+        raise MemoryBudgetError(f"row cache budget {cfg_bytes:,} B (GDS_GATHER_CACHE_BYTES or --cache) exceeds the "
+                                f"{avail:,} B this process may use ({memory.source(limits)})")
 
 
 # -- one cache per file identity, shared by every Table of this process ------------------------------------------
@@ -43,7 +81,8 @@ _CACHES_LOCK = threading.Lock()
 
 def cache_for(table) -> RowCache | None:
     """The process-wide cache of this table's file (None when the budget is 0); created on first use."""
-    budget = budget_for(table.config.cache_bytes, table.n_bytes)
+    limits = memory.limits(table.config.memory_root)
+    budget = table_budget(table, limits).bytes
     if budget <= 0:
         return None
     key = cache_key(table, budget)
@@ -54,6 +93,7 @@ def cache_for(table) -> RowCache | None:
             return c
         if capacity_for(budget, table.row_bytes) == 0:
             return None
+        check_budget(table.config.cache_bytes, table.n_bytes, limits)
         for k in [k for k in _CACHES if k[0] == key[0] and k[1] != key[1]]:   # same path, other identity: stale
             _CACHES.pop(k).close()
         c = _CACHES[key] = RowCache(row_bytes=table.row_bytes, budget=budget, file_id=table.file_id,
@@ -143,7 +183,7 @@ def cache_key(table, budget: int) -> tuple:
 
 def _existing(table) -> RowCache | None:
     with _CACHES_LOCK:
-        return _CACHES.get(cache_key(table, budget_for(table.config.cache_bytes, table.n_bytes)))
+        return _CACHES.get(cache_key(table, table_budget(table).bytes))
 
 
 def _forget_in_child() -> None:
@@ -162,11 +202,12 @@ def stats(table, device_caches: list, bytes_requested: int) -> dict:
     main = _existing(table)
     caches = [c for c in [main, *device_caches] if c]
     looked = io["cache_hits"] + io["cache_misses"]
+    b = table_budget(table)
     io.update(hot_rows_loaded=main.hot_loaded if main else 0,
               hot_rows_file=str(hotrows.path_for(main.hot)) if main and main.hot else None,
               hot_rows_changed=bool(main and main.hot and main.gen != main.hot_saved))
     io.update(cache_hit_rate=io["cache_hits"] / looked if looked else 0.0,
               cache_bytes=sum(c.nbytes for c in caches),
-              cache_budget_bytes=budget_for(table.config.cache_bytes, table.n_bytes),
+              cache_budget_bytes=b.bytes, cache_budget_reason=b.reason,
               bytes_requested=bytes_requested)
     return io

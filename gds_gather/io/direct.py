@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import forksafe
+from . import forksafe, memory
 from . import native
 from . import uring
 from ..config import Config
@@ -316,7 +316,7 @@ class _FdReader(Reader):
                 if broken:
                     self.staging.close()
                 else:
-                    release_staging(self.staging)
+                    release_staging(self.staging, memory.limits(self.config.memory_root))
             finally:                        # a staging that fails to close (unpin) still lets the fd go
                 self.staging = Staging()    # (a second close must not pool the same buffer twice)
                 self.staged = None

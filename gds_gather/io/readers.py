@@ -17,7 +17,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from . import forksafe
+from . import forksafe, memory
 from . import native
 from ..config import Config
 from ..errors import ReadError
@@ -226,8 +226,9 @@ class Staging:
 
 # O_DIRECT staging buffers of closed readers, reused by the next reader this process opens: faulting in a fresh one
 # costs far more than registering a faulted one with a new ring (docs/decisions/staging-memory.md). One buffer of at
-# most POOL_MAX_BYTES is kept; release_staging_pool() frees it.
+# most pool_max_bytes() is kept; release_staging_pool() frees it.
 POOL_MAX_BYTES = 256 << 20
+POOL_MEMORY_SHARE = 8          # and at most 1/8 of the memory this process may still use (as the row cache's budget)
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
@@ -247,10 +248,18 @@ def pooled_staging():
         return _POOL.pop() if _POOL else None
 
 
-def release_staging(st: "Staging") -> None:
-    """A closed reader's staging: into the pool where it fits (not pinned for a GPU, not too large), else freed."""
+def pool_max_bytes(limits: memory.Limits) -> int:
+    """The largest staging buffer kept for the next reader: POOL_MAX_BYTES, less where memory binds."""
+    avail = memory.available(limits)
+    return POOL_MAX_BYTES if avail is None else min(POOL_MAX_BYTES, avail // POOL_MEMORY_SHARE)
+
+
+def release_staging(st: "Staging", limits: memory.Limits | None = None) -> None:
+    """A closed reader's staging: into the pool where it fits (not pinned for a GPU, not larger than
+    pool_max_bytes(limits); default limits: this process's), else freed."""
     st.on_grow = None
-    if st._map is not None and not st.pin and 0 < st.buf.nbytes <= POOL_MAX_BYTES:
+    limits = memory.limits() if limits is None else limits
+    if st._map is not None and not st.pin and 0 < st.buf.nbytes <= pool_max_bytes(limits):
         with _POOL_LOCK:
             if not _POOL:
                 _POOL.append(st)
@@ -259,7 +268,7 @@ def release_staging(st: "Staging") -> None:
 
 
 def release_staging_pool() -> None:
-    """Free the staging buffer kept for the next reader (see POOL_MAX_BYTES)."""
+    """Free the staging buffer kept for the next reader (see pool_max_bytes)."""
     with _POOL_LOCK:
         while _POOL:
             _POOL.pop().close()

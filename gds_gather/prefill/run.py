@@ -275,6 +275,8 @@ def summary_lines(res: dict) -> list[str]:
     where = " in GPU memory" if res.get("cache_where") == "gpu" else ""
     lines.append(f"cache     row cache {human_bytes(res['cache_bytes'])} of {human_bytes(res['cache_budget_bytes'])}"
                  f"{where}; the table's page cache {res['page_cache_growth_bytes'] / 2**20:+.1f} MiB")
+    if res.get("cache_budget_reason"):
+        lines.append(f"          budget {res['cache_budget_reason']}")
     hot = res.get("hot_rows_file")
     changed = ("changed, written back at close" if res.get("hot_rows_changed") else
                "unchanged, nothing to write at close")
