@@ -125,6 +125,7 @@ class Table:
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
         self._ahead: dict[str, Prefetcher] = {}     # backend -> its prefetches (prefetch())
+        self._hit_path: dict[str, tuple] = {}       # backend -> (rowcache.generation(), reader, row cache): read_cached
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self, "_lock")       # ... and to use in a forked child
@@ -276,14 +277,42 @@ class Table:
             ahead.after(plan.unique_rows)
         return out
 
+    def read_cached(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray | None:
+        """read_unique(rows) where this file's row cache holds every one of the sorted unique `rows`, else None
+        (nothing read or counted: call read_unique). Neither plans nor takes the table's lock: a decode step's
+        cached rows are one look-up and one copy. Always None while prefetches run (prefetch()): they see every
+        read."""
+        rows = self._unique_ids(rows)
+        path = self._hit_path.get(backend)
+        if path is None or path[0] != rowcache.generation():
+            path = self._open_hit_path(backend)
+        cache = path[2]
+        if cache is None or self.closed or self._ahead:
+            return None
+        out = rowcache.read_hits(cache, path[1], rows, self.io)
+        if out is None:             # looked up again next time: the file's cache may have been replaced meanwhile
+            self._hit_path.pop(backend, None)
+        return out
+
     @_locked
-    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
-        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
-        where the row cache holds every row (a decode step's few tokens)."""
+    def _open_hit_path(self, backend: str) -> tuple:
+        gen, reader = rowcache.generation(), self._reader(backend)
+        cache = rowcache.cache_for(self) if reader.name in rowcache.CACHED_BACKENDS else None
+        path = self._hit_path[backend] = (gen, reader, cache)
+        return path
+
+    def _unique_ids(self, rows) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
         if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= self.n_rows
                               or (rows.shape[0] > 1 and not (np.diff(rows) > 0).all())):
             raise BadIdsError(f"{self.path}: read_unique takes sorted unique row ids in [0, {self.n_rows})")
+        return rows
+
+    @_locked
+    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
+        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
+        where the row cache holds every row (a decode step's few tokens)."""
+        rows = self._unique_ids(rows)
         reader = self._reader(backend)
         ahead = self._ahead.get(reader.name)
         if ahead is not None:

@@ -77,6 +77,7 @@ def check_budget(cfg_bytes: int, table_bytes: int, limits: memory.Limits) -> Non
 
 _CACHES: OrderedDict = OrderedDict()
 _CACHES_LOCK = threading.Lock()
+_GENERATION = [0]
 
 
 def cache_for(table) -> RowCache | None:
@@ -141,6 +142,7 @@ def empty_all() -> None:
 def drop_all() -> None:
     """Close every row cache of this process (their memory goes back; the next use makes new ones)."""
     with _CACHES_LOCK:
+        _GENERATION[0] += 1
         while _CACHES:
             _CACHES.popitem()[1].close()
 
@@ -155,6 +157,25 @@ def read_unique(table, reader, rows: np.ndarray, ahead=None) -> np.ndarray:
         return read_through(table, reader, table.plan(rows), ahead=ahead)
     return source.through(table, reader, None, source.HostRows(cache, admit_page_cache=True), rows=rows,
                           ahead=ahead)
+
+
+def read_hits(cache: RowCache, reader, rows: np.ndarray, io: dict) -> np.ndarray | None:
+    """read_unique's all-hit case alone: the bytes of sorted unique `rows` where `cache` holds every one (counted
+    into io, the file checked as source.through does), else None with nothing counted."""
+    with cache.lock:
+        out = cache.take_all(rows)
+        if out is None:
+            return None
+        io["cache_hits"] += out.shape[0]
+        io["rows_from_cache"] += out.shape[0]
+    reader.check_file()             # no read follows: hits must not outlive a change of the file
+    return out
+
+
+def generation() -> int:
+    """Changes whenever the caches cache_for handed out may all have been dropped (drop_all, a forked child): a
+    holder of one checks it before using its copy."""
+    return _GENERATION[0]
 
 
 def read_through(table, reader, plan, io: dict | None = None, ahead=None) -> np.ndarray:
@@ -190,6 +211,7 @@ def _forget_in_child() -> None:
     # a forked child: another parent thread may have been changing a cache (or held this lock) at fork()
     global _CACHES_LOCK
     _CACHES_LOCK = threading.Lock()
+    _GENERATION[0] += 1
     _CACHES.clear()
 
 

@@ -153,6 +153,15 @@ class RowCache:
         self.hits += h
         self.misses += rows.shape[0] - h
 
+    def take_all(self, rows: np.ndarray) -> np.ndarray | None:
+        """The bytes of the (unique) rows, uint8 [k, row_bytes], counted as hits, where every one is cached; None
+        (nothing counted) otherwise. Call under self.lock."""
+        slots = self.find(rows)
+        if (slots < 0).any():
+            return None
+        self.count(rows, slots)
+        return self.data.take(slots, axis=0)
+
     def lookup(self, rows: np.ndarray) -> np.ndarray:
         """find and count. Call under self.lock."""
         slots = self.find(rows)

@@ -59,9 +59,20 @@ class DiskEmbedding(torch.nn.Module):
         self.padding_idx = padding_idx
         self.backend = backend
         self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
-        self.row_ids = 0          # ids looked up (cumulative)
-        self.rows_read = 0        # unique rows read after per-call deduplication (cumulative)
+        self._counts = [0, 0]     # row_ids, rows_read: a list, so a step's counting skips nn.Module.__setattr__
+        self._scale = (None, None)    # (embed_scale buffer, it in the weight dtype): converted once per buffer
+        self._as_dtype = FLOAT_TORCH.get(table.qtype)    # a float table's rows are viewed as this dtype
         self.device_backend = None    # (backend, mode, why) after the first CUDA call
+
+    @property
+    def row_ids(self) -> int:
+        """Ids looked up (cumulative)."""
+        return self._counts[0]
+
+    @property
+    def rows_read(self) -> int:
+        """Unique rows read after per-call deduplication (cumulative)."""
+        return self._counts[1]
 
     def extra_repr(self) -> str:
         t = self.table
@@ -83,22 +94,26 @@ class DiskEmbedding(torch.nn.Module):
                                    f"more; load it again (gds_gather.integrations.transformers.from_pretrained) "
                                    f"or keep the handle open")
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
-        self._check(ids_np)
-        if input_ids.device.type == "cuda":
+        if input_ids.is_cuda:
+            self._check(ids_np)
             return self._rows_cuda(input_ids, ids_np)
         flat = ids_np.reshape(-1)
-        if flat.shape[0] <= SMALL_BATCH:        # a decode step: no plan where the row cache holds the rows
+        if flat.shape[0] <= SMALL_BATCH:        # a decode step: cached rows are one look-up, without plan or lock
             unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
             if unique.shape[0] and not 0 <= int(unique[0]) <= int(unique[-1]) < self.num_embeddings:
                 bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
                 raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
-            raw = self.table.read_unique(unique, self.backend)
+            raw = self.table.read_cached(unique, self.backend) if unique.shape[0] else None
+            if raw is None:
+                raw = self.table.read_unique(unique, self.backend)
         else:
+            self._check(ids_np)
             plan = self.table.plan(ids_np)
             unique, inverse = plan.unique_rows, plan.inverse
             raw = self.table.read_plan(plan, self.backend)
-        self.row_ids += flat.shape[0]
-        self.rows_read += unique.shape[0]
+        counts = self._counts
+        counts[0] += flat.shape[0]
+        counts[1] += unique.shape[0]
         rows = self._as_torch(raw)
         if inverse is not None:
             rows = rows.index_select(0, torch.from_numpy(inverse.reshape(-1)))
@@ -108,12 +123,11 @@ class DiskEmbedding(torch.nn.Module):
         """Raw rows -> torch rows in the weight dtype: a float table's bytes are viewed as its torch dtype and cast
         (exactly gguf's dequantization, without its per-call overhead); a quantized one is dequantized."""
         t = self.table
-        as_dtype = FLOAT_TORCH.get(t.qtype)
-        if as_dtype is not None:
-            rows = torch.from_numpy(np.ascontiguousarray(raw)).view(as_dtype).reshape(raw.shape[0], -1)
+        if self._as_dtype is not None:
+            rows = torch.from_numpy(np.ascontiguousarray(raw)).view(self._as_dtype).reshape(raw.shape[0], -1)
         else:
             rows = torch.from_numpy(quants.dequantize_rows(raw, t.qtype, t.row_elems))
-        return rows.to(self.weight_dtype)
+        return rows if rows.dtype == self.weight_dtype else rows.to(self.weight_dtype)
 
     def _rows_cuda(self, input_ids: torch.Tensor, ids_np: np.ndarray) -> torch.Tensor:
         """Table.gather's GPU flavour: rows read into GPU memory, dequantized by the CUDA kernel on the current
@@ -121,14 +135,23 @@ class DiskEmbedding(torch.nn.Module):
         t = self.table
         if self.device_backend is None:
             self.device_backend = t.device_choice(self.backend)   # what Table.fetch_device will use
-        self.row_ids += ids_np.size
-        self.rows_read += np.unique(ids_np).size
+        self._counts[0] += ids_np.size
+        self._counts[1] += np.unique(ids_np).size
         with torch.cuda.device(input_ids.device):
             return t.gather(input_ids, self.backend, dtype=self.weight_dtype,
                             stream=torch.cuda.current_stream(input_ids.device), host_ids=ids_np)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(input_ids) * self.embed_scale.to(self.weight_dtype)
+        return self.rows(input_ids) * self.scale()
+
+    def scale(self) -> torch.Tensor:
+        """embed_scale in the weight dtype, converted once per buffer (a move to another device replaces it)."""
+        buf = self._buffers["embed_scale"]
+        src, scale = self._scale
+        if src is not buf:
+            scale = buf.to(self.weight_dtype)
+            self._scale = (buf, scale)
+        return scale
 
 
 class OffloadHandle:
