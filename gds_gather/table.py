@@ -125,7 +125,7 @@ class Table:
         self.gds_align = max(GDS_ALIGN, self.align)     # windows of plans read by KvikIO/cuFile (device.GdsReader)
         self._readers: dict[str, Reader] = {}
         self._ahead: dict[str, Prefetcher] = {}     # backend -> its prefetches (prefetch())
-        self._hit_path: dict[str, tuple] = {}       # backend -> (rowcache.generation(), reader, row cache): read_cached
+        self._hit_path: dict[str, tuple] = {}       # backend -> (rowcache.generation(), reader, row cache): _read_hits
         self.closed = False
         self._lock = threading.RLock()      # safe to share between threads (see _locked)
         forksafe.track(self, "_lock")       # ... and to use in a forked child
@@ -277,12 +277,18 @@ class Table:
             ahead.after(plan.unique_rows)
         return out
 
-    def read_cached(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray | None:
-        """read_unique(rows) where this file's row cache holds every one of the sorted unique `rows`, else None
-        (nothing read or counted: call read_unique). Neither plans nor takes the table's lock: a decode step's
-        cached rows are one look-up and one copy. Always None while prefetches run (prefetch()): they see every
-        read."""
+    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
+        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
+        where the row cache holds every row, and then without the table's lock too (a decode step's few tokens: one
+        look-up and one copy)."""
         rows = self._unique_ids(rows)
+        hit = self._read_hits(rows, backend) if rows.shape[0] else None
+        return hit if hit is not None else self._read_unique_locked(rows, backend)
+
+    def _read_hits(self, rows: np.ndarray, backend: str) -> np.ndarray | None:
+        """The rows from this file's row cache where it holds every one, else None (nothing read or counted). The
+        (reader, cache) of a backend are kept until the caches are dropped (rowcache.generation) or a look-up
+        misses. Always None while prefetches run (prefetch()): they see every read."""
         path = self._hit_path.get(backend)
         if path is None or path[0] != rowcache.generation():
             path = self._open_hit_path(backend)
@@ -309,10 +315,7 @@ class Table:
         return rows
 
     @_locked
-    def read_unique(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
-        """Raw bytes of sorted unique row ids, uint8 [len(rows), row_bytes]: read_plan(plan(rows)), without the plan
-        where the row cache holds every row (a decode step's few tokens)."""
-        rows = self._unique_ids(rows)
+    def _read_unique_locked(self, rows: np.ndarray, backend: str) -> np.ndarray:
         reader = self._reader(backend)
         ahead = self._ahead.get(reader.name)
         if ahead is not None:

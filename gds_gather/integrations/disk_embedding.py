@@ -103,9 +103,7 @@ class DiskEmbedding(torch.nn.Module):
             if unique.shape[0] and not 0 <= int(unique[0]) <= int(unique[-1]) < self.num_embeddings:
                 bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
                 raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
-            raw = self.table.read_cached(unique, self.backend) if unique.shape[0] else None
-            if raw is None:
-                raw = self.table.read_unique(unique, self.backend)
+            raw = self.table.read_unique(unique, self.backend)
         else:
             self._check(ids_np)
             plan = self.table.plan(ids_np)
