@@ -100,7 +100,7 @@ def _memory_facts(t, cfg: Config) -> dict:
     lim = memory.limits(cfg.memory_root)
     avail = memory.available(lim)
     b = rowcache.table_budget(t, lim)
-    too_large = cfg.cache_bytes > 0 and avail is not None and min(cfg.cache_bytes, t.n_bytes) > avail
+    too_large = rowcache.too_large(cfg.cache_bytes, t.n_bytes, avail)
     return {"available_bytes": avail, "source": memory.source(lim), "cgroup_limit_bytes": lim.cgroup_limit,
             "cgroup_usage_bytes": lim.cgroup_usage, "cgroup": lim.cgroup_source,
             "mem_available_bytes": lim.mem_available, "cache_budget_bytes": b.bytes,

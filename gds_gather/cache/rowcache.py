@@ -64,11 +64,16 @@ def table_budget(table, limits: memory.Limits | None = None) -> Budget:
     return budget(table.config.cache_bytes, table.n_bytes, memory.available(limits))
 
 
+def too_large(cfg_bytes: int, table_bytes: int, available: int | None) -> bool:
+    """Whether an explicit budget's memory, min(budget, the table), exceeds what this process may still use."""
+    return cfg_bytes > 0 and available is not None and min(cfg_bytes, table_bytes) > available
+
+
 def check_budget(cfg_bytes: int, table_bytes: int, limits: memory.Limits) -> None:
-    """Refuse (one line) an explicit budget whose memory, min(budget, the table), exceeds what this process may
-    still use: the cache would be killed for memory, not hold the rows."""
+    """Refuse (one line) an explicit budget that is too_large: the cache would be killed for memory, not hold the
+    rows."""
     avail = memory.available(limits)
-    if cfg_bytes > 0 and avail is not None and min(cfg_bytes, table_bytes) > avail:
+    if too_large(cfg_bytes, table_bytes, avail):
         raise MemoryBudgetError(f"row cache budget {cfg_bytes:,} B (GDS_GATHER_CACHE_BYTES or --cache) exceeds the "
                                 f"{avail:,} B this process may use ({memory.source(limits)})")
 
