@@ -1,6 +1,6 @@
 """Sizes and lines for people: bytes as text (`human_bytes` to read, `human_size` to write back), size text as bytes
 (`parse_size`, also an argparse type), and `fit` for the 120-column lines every command and bench prints.
-Imports nothing of gds_gather: every layer may use it."""
+Imports only gds_gather.errors: every layer may use it."""
 from __future__ import annotations
 
 import argparse

@@ -82,7 +82,7 @@ def check_budget(cfg_bytes: int, table_bytes: int, limits: memory.Limits) -> Non
 
 _CACHES: OrderedDict = OrderedDict()
 _CACHES_LOCK = threading.Lock()
-_GENERATION = [0]
+_GENERATION = 0                       # generation(): moved by drop_all and in a forked child
 
 
 def cache_for(table) -> RowCache | None:
@@ -146,8 +146,9 @@ def empty_all() -> None:
 
 def drop_all() -> None:
     """Close every row cache of this process (their memory goes back; the next use makes new ones)."""
+    global _GENERATION
     with _CACHES_LOCK:
-        _GENERATION[0] += 1
+        _GENERATION += 1
         while _CACHES:
             _CACHES.popitem()[1].close()
 
@@ -180,7 +181,7 @@ def read_hits(cache: RowCache, reader, rows: np.ndarray, io: dict) -> np.ndarray
 def generation() -> int:
     """Changes whenever the caches cache_for handed out may all have been dropped (drop_all, a forked child): a
     holder of one checks it before using its copy."""
-    return _GENERATION[0]
+    return _GENERATION
 
 
 def read_through(table, reader, plan, io: dict | None = None, ahead=None) -> np.ndarray:
@@ -214,9 +215,9 @@ def _existing(table) -> RowCache | None:
 
 def _forget_in_child() -> None:
     # a forked child: another parent thread may have been changing a cache (or held this lock) at fork()
-    global _CACHES_LOCK
+    global _CACHES_LOCK, _GENERATION
     _CACHES_LOCK = threading.Lock()
-    _GENERATION[0] += 1
+    _GENERATION += 1
     _CACHES.clear()
 
 
