@@ -19,7 +19,8 @@ from .backends import resolve
 from .config import Config
 from .errors import (BackendError, BadIdsError, GatherError, HeaderError, ModelNotFoundError, TableClosedError,
                      TruncatedFileError, UnsupportedTypeError)
-from .formats.gguf_file import field_value, find_tensor
+from .formats.gguf_file import TensorInfo, field_value, find_tensor
+from .formats.scales import find_scales
 from .planner import ReadPlan, plan_rows
 from .cache.prefetch import Prefetcher
 from .io.direct import HOST_READERS
@@ -96,19 +97,25 @@ class Table:
     `path`), path (the shard holding the table), name, arch, n_bytes.
     """
 
-    def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None):
+    def __init__(self, path, tensor: str = DEFAULT_TENSOR, config: Config | None = None, *, scales=None,
+                 scale_block=None, info=None):
         self.config = config or Config.from_env()
-        info, reader, meta_reader = _locate(path, tensor)
+        if info is None:
+            info, reader, meta_reader = _locate(path, tensor)
+        else:                   # a tensor already found (a float8 table's scale rows): no metadata of its own
+            meta_reader = None
         self.model_path = Path(path)
         self.path = info.path
         self.name = info.name
         self._meta = meta_reader
-        self.arch = field_value(meta_reader, "general.architecture", "")
+        self.arch = field_value(meta_reader, "general.architecture", "") if meta_reader is not None else ""
         if len(info.shape) != 2:
             raise HeaderError(f"{info.path}: tensor {tensor!r} has shape {list(info.shape)}; a row table is 2-D")
         self.row_elems, self.n_rows = info.shape
         try:
             self.qtype = quants.check_supported(info.type_id)
+            if info.container == "gguf" and self.qtype not in quants.supported_types():
+                raise UnsupportedTypeError(f"type id {int(self.qtype)} is not a GGML type")
         except UnsupportedTypeError as e:
             raise UnsupportedTypeError(f"{info.path}: tensor {tensor!r}: {e}") from None
         self.row_bytes = quants.row_bytes(self.qtype, self.row_elems, what=f"{info.path}: {tensor!r} row")
@@ -133,6 +140,15 @@ class Table:
         # the GPU path (destinations, their streams, the gds choice), holding a proxy: the finalizer holds it
         self.device_path = DevicePath(weakref.proxy(self))
         self._fin = weakref.finalize(self, _release, self._readers, self.device_path, self._ahead)
+        # a float8 table's scales (formats/scales.py): per tensor a number, else a row table of their own
+        self.scales = (find_scales(self.model_path, self.name, self.qtype, self.n_rows, self.row_elems, scales,
+                                   scale_block) if info.container == "safetensors" else None)
+        self.scale_table = None
+        if self.scales is not None and self.scales.value is None:
+            sp = self.scales
+            self.scale_table = Table(sp.path, sp.name, self.config, info=TensorInfo(
+                sp.path, sp.name, int(sp.stype), (sp.per_row, sp.n_rows), sp.data_offset,
+                sp.n_rows * sp.per_row * quants.block_geometry(sp.stype)[1], "safetensors"))
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property
@@ -152,6 +168,7 @@ class Table:
             "data_offset": self.data_offset, "table_bytes": self.n_bytes,
             "f32_bytes": self.n_rows * self.row_elems * 4, "align": self.align,
             "filesystem": filesystem(self.path),
+            "scales": self.scales.describe() if self.scales is not None else None,
         }
 
     # -- planning and reading --------------------------------------------------------------------------------
@@ -250,12 +267,16 @@ class Table:
         cache hits: the sources add up to the rows read plus these), cache_hits,
         cache_misses, cache_hit_rate (unique rows per batch), cache_bytes (what the file's row cache and the device
         caches hold now), cache_budget_bytes and cache_budget_reason (why that size), bytes_requested (bytes asked of
-        the file by every reader)."""
+        the file by every reader, a scaled float8 table's scale reads included), and for such a table `scales`: the
+        scale table's own stats."""
         st = rowcache.stats(self, self.device_path.caches(),
                             sum(r.bytes_read for r in self._readers.values()) + self.device_path.bytes_read)
         for ahead in self._ahead.values():
             for k, v in ahead.counts().items():
                 st[k] += v
+        if self.scale_table is not None:        # the scale rows' reads: their own counters, their bytes counted here
+            st["scales"] = self.scale_table.stats()
+            st["bytes_requested"] += st["scales"]["bytes_requested"]
         return st
 
     @_locked
@@ -365,8 +386,33 @@ class Table:
 
     def gather_plan(self, plan: ReadPlan, backend: str = "auto") -> np.ndarray:
         """Float32 rows for an existing plan: shape plan.shape + (row_elems,)."""
-        rows = quants.dequantize_rows(self.read_plan(plan, backend), self.qtype, self.row_elems)
+        rows = self.dequantize(self.read_plan(plan, backend), plan.unique_rows, backend)
         return rows[plan.inverse].reshape(plan.shape + (self.row_elems,))
+
+    def dequantize(self, raw: np.ndarray, rows: np.ndarray, backend: str = "auto") -> np.ndarray:
+        """float32 [n, row_elems] of raw rows uint8 [n, row_bytes] whose row ids are `rows`: the type's values
+        (quants.dequantize_rows), times their scales for a scaled float8 table (one float32 multiply each; the
+        scales from scale_rows, decoded as the kernels decode them)."""
+        out = quants.dequantize_rows(raw, self.qtype, self.row_elems)
+        scales = self.scale_rows(rows, backend) if out.shape[0] else None
+        if scales is None:
+            return out
+        sp = self.scales
+        return out * sp.expand(quants.dequantize_rows(scales, sp.kernel_type, sp.kernel_width), self.row_elems)
+
+    def scale_rows(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray | None:
+        """The raw scales of each of `rows` (table row ids, each once): uint8 [len(rows), scale row bytes], what
+        the kernels read beside the rows (gpu.dequant's block_scales: type scales.kernel_type, one per
+        scales.block elements); None for an unscaled table. Per-row and per-block scales are read through the
+        scale table's own reads (its row cache too); a per-tensor scale is its float32 bytes on every row."""
+        sp = self.scales
+        if sp is None:
+            return None
+        rows = np.asarray(rows, np.int64)
+        if sp.value is not None:
+            return np.broadcast_to(np.float32(sp.value).reshape(1).view(np.uint8), (rows.shape[0], 4))
+        srows, where = np.unique(sp.rows_of(rows), return_inverse=True)
+        return self.scale_table.read_unique(srows, backend if backend in HOST_READERS else "auto")[where]
 
     # -- lifetime --------------------------------------------------------------------------------------------
     @_locked
@@ -374,6 +420,8 @@ class Table:
         try:
             if not self.closed:
                 rowcache.save_hot(self)     # the next process starts with this one's hot rows (hotrows.py)
+            if self.scale_table is not None:
+                self.scale_table.close()
             self._fin()
         finally:
             self._meta = None
@@ -390,8 +438,12 @@ class Table:
                 f"row_elems={self.row_elems}, row_bytes={self.row_bytes})")
 
 
-def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None) -> Table:
-    """Open the row table `tensor` of a GGUF model (any shard of a split model), reading metadata only. A missing
-    path or shard raises ModelNotFoundError (a GatherError and a FileNotFoundError) naming it."""
-    return Table(path, tensor, config)
+def open_table(path, tensor: str = DEFAULT_TENSOR, config: Config | None = None, *, scales=None,
+               scale_block=None) -> Table:
+    """Open the row table `tensor` of a GGUF model (any shard of a split model) or a safetensors checkpoint,
+    reading metadata only. A missing path or shard raises ModelNotFoundError (a GatherError and a
+    FileNotFoundError) naming it. A float8 table's scales are found beside it by their published names
+    (formats/scales.py); scales=NAME names the scale tensor, scales=False reads the values unscaled; scale_block:
+    elements per scale along a row, or (rows, elements), where the scale's shape leaves it open."""
+    return Table(path, tensor, config, scales=scales, scale_block=scale_block)
 

@@ -38,6 +38,7 @@ class TensorInfo:
     shape: tuple[int, ...]   # ggml order: shape[0] = ne0, the contiguous row width
     data_offset: int         # absolute offset in `path`
     n_bytes: int
+    container: str = "gguf"  # or "safetensors" (where float8 row types may be)
 
 
 def tensor_infos(reader: GGUFHeader, path: Path) -> dict[str, TensorInfo]:

@@ -1,6 +1,15 @@
-"""GGML type facts and the CPU reference dequantizer, all taken from gguf (never hand-copied)."""
+"""Row types: the GGML types (facts and the CPU reference dequantizer taken from gguf, never hand-copied) and the
+float8 element types safetensors checkpoints store, which GGUF has none of.
+
+RowType holds both: every GGMLQuantizationType under its own name and id (they compare and hash equal), and
+F8_E4M3 (OCP e4m3fn: bias 7, no infinities, S.1111.111 is NaN), F8_E5M2 (bias 15, IEEE-style infinities and NaNs)
+and F8_E8M0 (UE8M0: 2**(e - 127), 0xFF is NaN; a scale type) under ids GGML does not use, which no GGUF file may
+carry. A float8 row decodes element by element through a 256-entry float32 table built from the bits (fp8_lut):
+the format's value exactly, -0 kept, NaN where NaN (sign kept, quiet).
+"""
 from __future__ import annotations
 
+import enum
 import functools
 
 import numpy as np
@@ -10,6 +19,11 @@ from gguf import quants as gq
 from ..errors import RowWidthError, UnsupportedTypeError
 
 Q = GGMLQuantizationType
+
+FP8_IDS = {"F8_E4M3": 1000, "F8_E5M2": 1001, "F8_E8M0": 1002}     # outside GGML's ids (gguf_parse refuses them)
+RowType = enum.IntEnum("RowType", {**{t.name: t.value for t in Q}, **FP8_IDS})
+RowType.__doc__ = "A row table's element or block type: every GGML type, and the float8 types (FP8_IDS)."
+FP8_TYPES = tuple(RowType[n] for n in FP8_IDS)
 
 # The types a PLE table may have and gguf can dequantize (checked against the installed gguf at first use).
 CANDIDATES = (
@@ -32,38 +46,69 @@ def implemented(types, call) -> tuple[GGMLQuantizationType, ...]:
 
 
 @functools.cache
-def supported_types() -> tuple[GGMLQuantizationType, ...]:
-    """Every candidate type the installed gguf dequantizes."""
-    return implemented(CANDIDATES, lambda qt: gq.dequantize(np.zeros((1, GGML_QUANT_SIZES[qt][1]), np.uint8), qt))
+def supported_types() -> tuple[RowType, ...]:
+    """Every candidate GGML type the installed gguf dequantizes (the types a GGUF table may have)."""
+    return tuple(RowType(int(t)) for t in implemented(
+        CANDIDATES, lambda qt: gq.dequantize(np.zeros((1, GGML_QUANT_SIZES[qt][1]), np.uint8), qt)))
 
 
-def qtype_of(value) -> GGMLQuantizationType:
-    """A GGMLQuantizationType from an enum member, its name ('q4_0', 'IQ4_NL') or its id."""
-    if isinstance(value, GGMLQuantizationType):
-        return value
+def row_types() -> tuple[RowType, ...]:
+    """Every type a table may have: supported_types() and the float8 types (safetensors tables)."""
+    return supported_types() + FP8_TYPES
+
+
+def qtype_of(value) -> RowType:
+    """A RowType from a RowType or GGMLQuantizationType, a name ('q4_0', 'IQ4_NL', 'f8_e4m3') or an id."""
     if isinstance(value, str):
         try:
-            return GGMLQuantizationType[value.strip().upper()]
+            return RowType[value.strip().upper()]
         except KeyError:
-            names = ", ".join(t.name for t in supported_types())
-            raise UnsupportedTypeError(f"unknown GGML type {value!r}; supported: {names}") from None
+            names = ", ".join(t.name for t in row_types())
+            raise UnsupportedTypeError(f"unknown row type {value!r}; supported: {names}") from None
     try:
-        return GGMLQuantizationType(int(value))
+        return RowType(int(value))
     except (ValueError, TypeError):
         raise UnsupportedTypeError(f"unknown GGML type id {value!r}") from None
 
 
-def check_supported(qtype) -> GGMLQuantizationType:
+def check_supported(qtype) -> RowType:
     qt = qtype_of(qtype)
-    if qt not in supported_types():
-        names = ", ".join(t.name for t in supported_types())
+    if qt not in row_types():
+        names = ", ".join(t.name for t in row_types())
         raise UnsupportedTypeError(f"type {qt.name} cannot be dequantized by gds_gather; supported: {names}")
     return qt
 
 
+def is_fp8(qtype) -> bool:
+    return int(qtype) in FP8_IDS.values()
+
+
 def block_geometry(qtype) -> tuple[int, int]:
-    """(elements per block, bytes per block) from gguf.GGML_QUANT_SIZES."""
-    return GGML_QUANT_SIZES[qtype_of(qtype)]
+    """(elements per block, bytes per block): gguf.GGML_QUANT_SIZES; (1, 1) for a float8 type."""
+    qt = qtype_of(qtype)
+    return (1, 1) if is_fp8(qt) else GGML_QUANT_SIZES[Q(int(qt))]
+
+
+@functools.cache
+def fp8_lut(qtype) -> np.ndarray:
+    """float32 [256]: the value of each byte of a float8 type, decoded from its bits (the module docstring)."""
+    qt = qtype_of(qtype)
+    b = np.arange(256)
+    if qt == RowType.F8_E8M0:
+        v = np.ldexp(1.0, b - 127)
+        v[255] = np.nan
+        return v.astype(np.float32)
+    ebits, bias = {RowType.F8_E4M3: (4, 7), RowType.F8_E5M2: (5, 15)}[qt]
+    mbits = 7 - ebits
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> mbits) & ((1 << ebits) - 1), b & ((1 << mbits) - 1)
+    mag = np.where(e == 0, np.ldexp(m / 2**mbits, 1 - bias), np.ldexp(1 + m / 2**mbits, e - bias))
+    top = e == (1 << ebits) - 1
+    if qt == RowType.F8_E4M3:
+        mag = np.where(top & (m == (1 << mbits) - 1), np.nan, mag)
+    else:
+        mag = np.where(top, np.where(m == 0, np.inf, np.nan), mag)
+    return np.copysign(mag, sign).astype(np.float32)    # the sign bit of NaNs and zeros too
 
 
 def row_bytes(qtype, row_elems: int, what: str = "row") -> int:
@@ -76,7 +121,8 @@ def row_bytes(qtype, row_elems: int, what: str = "row") -> int:
 
 
 def dequantize_rows(raw: np.ndarray, qtype, row_elems: int) -> np.ndarray:
-    """Raw rows uint8 [n, row_bytes] -> float32 [n, row_elems], exactly gguf.quants.dequantize."""
+    """Raw rows uint8 [n, row_bytes] -> float32 [n, row_elems]: exactly gguf.quants.dequantize, or the float8
+    values (fp8_lut). A scaled table's scales are applied by its Table (scales.py), not here."""
     qt = check_supported(qtype)
     rb = row_bytes(qt, row_elems)
     if raw.dtype != np.uint8:   # readers hand over raw bytes; a float array here would be converted, not viewed
@@ -84,5 +130,7 @@ def dequantize_rows(raw: np.ndarray, qtype, row_elems: int) -> np.ndarray:
     raw = np.ascontiguousarray(raw).reshape(-1, rb)
     if raw.shape[0] == 0:
         return np.empty((0, row_elems), np.float32)
-    out = gq.dequantize(raw, qt)
+    if is_fp8(qt):
+        return fp8_lut(qt)[raw]
+    out = gq.dequantize(raw, Q(int(qt)))
     return np.asarray(out, dtype=np.float32).reshape(-1, row_elems)

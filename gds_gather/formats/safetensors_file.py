@@ -7,8 +7,9 @@ bytes are ``[8 + N + begin, 8 + N + end)``, row-major. A sharded checkpoint adds
 
 The per-layer embedding of Gemma 4 / Gemma 3n is ``model.embed_tokens_per_layer.weight``
 (``model.language_model.embed_tokens_per_layer.weight`` in multimodal checkpoints), ``[vocab, n_layer * P]``.
-Its BF16, F16 and F32 rows map to the GGML types of the same name, so the same planner, readers and CPU/GPU
-dequantizers serve it. Bad files raise the same errors as bad GGUF files: NotSafetensorsError (a NotGGUFError),
+Its BF16, F16 and F32 rows map to the GGML types of the same name, F8_E4M3 and F8_E5M2 rows to quants.RowType's
+float8 types, so the same planner, readers and CPU/GPU dequantizers serve it; a float8 table's scales are found
+beside it (scales.py). Bad files raise the same errors as bad GGUF files: NotSafetensorsError (a NotGGUFError),
 HeaderError, TruncatedFileError, TableNotFoundError, UnsupportedTypeError.
 """
 from __future__ import annotations
@@ -18,22 +19,27 @@ import math
 import struct
 from pathlib import Path
 
-from gguf import GGMLQuantizationType, GGUF_MAGIC
+from gguf import GGUF_MAGIC
 
 from ..errors import HeaderError, NotSafetensorsError, TableNotFoundError, TruncatedFileError, UnsupportedTypeError
 from .gguf_file import TensorInfo
+from .quants import RowType
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000          # the safetensors library's own limit on the JSON header
 PLE_NAMES = ("model.embed_tokens_per_layer.weight", "model.language_model.embed_tokens_per_layer.weight")
 PLE_SUFFIX = "embed_tokens_per_layer.weight"
+ENGRAM_SUFFIX = "engram.embed.weight"       # DeepSeek-V4.1: one float8 n-gram table per Engram layer
 GGUF_DEFAULT_NAME = "per_layer_token_embd.weight"    # what open_table asks for by default
+GGUF_KEYS = "gds_gather_gguf_metadata"      # config.json: GGUF keys a synthetic checkpoint carries (model/checkpoint)
 
 # safetensors dtype -> bytes per element (the format's full list); the row types map to GGML types
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
-ROW_TYPES = {"BF16": GGMLQuantizationType.BF16, "F16": GGMLQuantizationType.F16, "F32": GGMLQuantizationType.F32}
+ROW_TYPES = {"BF16": RowType.BF16, "F16": RowType.F16, "F32": RowType.F32, "F8_E4M3": RowType.F8_E4M3,
+             "F8_E5M2": RowType.F8_E5M2}
+SCALE_TYPES = {"F32": RowType.F32, "BF16": RowType.BF16, "F8_E8M0": RowType.F8_E8M0}
 
 
 def is_safetensors_source(path) -> bool:
@@ -157,12 +163,12 @@ def _pick(names, tensor: str, where: str) -> str:
     for n in PLE_NAMES:
         if n in names:
             return n
-    found = [n for n in names if n.endswith(PLE_SUFFIX)]
+    found = [n for n in names if n.endswith(PLE_SUFFIX)] or [n for n in names if n.endswith(ENGRAM_SUFFIX)]
     if len(found) == 1:
         return found[0]
     if found:
-        raise TableNotFoundError(f"{where} holds several per-layer embeddings ({', '.join(found)}); pick one with "
-                                 f"tensor=")
+        kind = "per-layer embeddings" if found[0].endswith(PLE_SUFFIX) else "Engram tables"
+        raise TableNotFoundError(f"{where} holds several {kind} ({', '.join(found)}); pick one with tensor=")
     raise TableNotFoundError(f"no per-layer embedding ({' or '.join(PLE_NAMES)}) in {where}: the model has none; "
                              f"it has: {_hint(names)}")
 
@@ -191,7 +197,8 @@ class HFMeta:
 
     general.architecture ('gemma4', 'gemma3n', or config's model_type), {arch}.block_count,
     {arch}.embedding_length_per_layer_input, {arch}.vocab_size_per_layer_input; safetensors.<key> for the
-    file's __metadata__. Every other key is absent (so no GGUF tokenizer: prompts use the word-level mapping).
+    file's __metadata__; the GGUF keys of config.json's GGUF_KEYS object (a synthetic checkpoint's qwen4exp hash
+    constants). Every other key is absent (so no GGUF tokenizer: prompts use the word-level mapping).
     """
 
     class _Field:
@@ -214,6 +221,9 @@ class HFMeta:
                     self.fields[f"{arch}.{key}"] = self.config[cfg]
         for k, v in (st_meta or {}).items():
             self.fields[f"safetensors.{k}"] = v
+        extra = self.config.get(GGUF_KEYS)
+        for k, v in (extra.items() if isinstance(extra, dict) else ()):
+            self.fields.setdefault(k, v)
 
     def get_field(self, key: str):
         return self._Field(self.fields[key]) if key in self.fields else None
@@ -245,9 +255,9 @@ def hf_arch(text_config: dict) -> str:
     return mt.removesuffix("_text")
 
 
-def find_table_tensor(path, tensor: str = GGUF_DEFAULT_NAME) -> tuple[TensorInfo, dict, HFMeta]:
-    """(tensor info in GGML order, the shard's header entries, metadata) for a safetensors checkpoint: a model
-    directory, a model.safetensors.index.json, or one .safetensors file. Reads headers only."""
+def _shard_of(path, tensor: str) -> tuple[Path, str, dict, int, dict, Path]:
+    """(shard file, tensor name, the shard's header entries, its data base, its __metadata__, config dir) of the
+    table `tensor` (GGUF_DEFAULT_NAME: the per-layer embedding, found by its published names)."""
     config_dir, index = checkpoint_files(path)
     if index is not None:
         shards = _index_shards(index)
@@ -263,6 +273,27 @@ def find_table_tensor(path, tensor: str = GGUF_DEFAULT_NAME) -> tuple[TensorInfo
         name = _pick(entries, tensor, str(shard))
     elif name not in entries:
         raise TableNotFoundError(f"{shard}: the index puts {name!r} here, but the file has no such tensor")
+    return shard, name, entries, base, st_meta, config_dir
+
+
+def tensor_entry(path, name: str) -> tuple[Path, dict, int] | None:
+    """(shard, header entry, data base) of the tensor called exactly `name` in a checkpoint, or None: a scale's
+    lookup beside its table (scales.py)."""
+    config_dir, index = checkpoint_files(path)
+    if index is not None:
+        shard = _index_shards(index).get(name)
+        if shard is None:
+            return None
+    else:
+        shard = config_dir / SINGLE if Path(path).is_dir() else Path(path)
+    entries, base, _ = read_header(shard)
+    return (shard, entries[name], base) if name in entries else None
+
+
+def find_table_tensor(path, tensor: str = GGUF_DEFAULT_NAME) -> tuple[TensorInfo, dict, HFMeta]:
+    """(tensor info in GGML order, the shard's header entries, metadata) for a safetensors checkpoint: a model
+    directory, a model.safetensors.index.json, or one .safetensors file. Reads headers only."""
+    shard, name, entries, base, st_meta, config_dir = _shard_of(path, tensor)
     e = entries[name]
     if e["dtype"] not in ROW_TYPES:
         raise UnsupportedTypeError(f"{shard}: tensor {name!r} is {e['dtype']}; safetensors tables must be "
@@ -270,5 +301,5 @@ def find_table_tensor(path, tensor: str = GGUF_DEFAULT_NAME) -> tuple[TensorInfo
     shape = tuple(reversed(e["shape"]))       # GGML order: ne0 = the contiguous row width
     b, end = e["data_offsets"]
     info = TensorInfo(path=shard, name=name, type_id=int(ROW_TYPES[e["dtype"]]), shape=shape,
-                      data_offset=base + b, n_bytes=end - b)
+                      data_offset=base + b, n_bytes=end - b, container="safetensors")
     return info, entries, HFMeta(config_dir, st_meta)

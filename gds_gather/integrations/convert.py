@@ -71,6 +71,10 @@ def convert(source, output, qtype=None, *, tensor: str = DEFAULT_TENSOR, progres
     """Write the table of `source` alone to the GGUF `output`; returns what was written (types, bytes, error)."""
     output = check_output(output)
     with open_table(source, tensor, config or Config.from_env()) as t:
+        if qtype is None and quants.is_fp8(t.qtype):
+            raise UnsupportedTypeError(f"{t.path}: {t.name!r} is {t.qtype.name}{' (scaled)' if t.scales else ''}, "
+                                       f"and GGUF has no float8 type: pass --qtype BF16 (exact for unscaled "
+                                       f"E4M3/E5M2 rows) or Q8_0 (the error is measured and recorded)")
         qt = t.qtype if qtype is None else check_qtype(qtype)
         rb = quants.row_bytes(qt, t.row_elems, what=f"{qt.name} table")
         if output.exists() and output.resolve() == Path(t.path).resolve():
@@ -91,7 +95,7 @@ def convert(source, output, qtype=None, *, tensor: str = DEFAULT_TENSOR, progres
             w.add_string(KEY + "source_type", t.qtype.name)
             for k in ERROR_KEYS:
                 w.add_float64(KEY + k, math.nan)          # placeholders, patched once every row is measured
-            w.add_tensor_info(DEFAULT_TENSOR, (t.n_rows, rb), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+            w.add_tensor_info(DEFAULT_TENSOR, (t.n_rows, rb), np.dtype(np.uint8), nbytes, raw_dtype=quants.Q(int(qt)))
             max_err = sq = max_val = 0.0
             try:
                 w.write_header_to_file()
@@ -107,8 +111,8 @@ def convert(source, output, qtype=None, *, tensor: str = DEFAULT_TENSOR, progres
                         raw = np.frombuffer(src.read(n * t.row_bytes), np.uint8)
                         if raw.size != n * t.row_bytes:
                             raise GatherError(f"{t.path}: the table ends early (row {a + raw.size // t.row_bytes})")
-                        x = quants.dequantize_rows(raw.reshape(n, t.row_bytes), t.qtype, t.row_elems)
-                        out = raw if exact else np.ascontiguousarray(gq.quantize(x, qt)).view(np.uint8)
+                        x = t.dequantize(raw.reshape(n, t.row_bytes), np.arange(a, a + n))
+                        out = raw if exact else np.ascontiguousarray(gq.quantize(x, quants.Q(int(qt)))).view(np.uint8)
                         if not exact:
                             d = quants.dequantize_rows(out.reshape(n, rb), qt, t.row_elems).astype(np.float64) - x
                             with np.errstate(invalid="ignore"):

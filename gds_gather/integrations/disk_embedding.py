@@ -11,7 +11,6 @@ import torch
 
 from ..backends import resolve
 from ..errors import BadIdsError, ModelMismatchError, TableClosedError
-from ..formats import quants
 from ..formats.quants import Q
 from ..table import Table
 
@@ -112,19 +111,20 @@ class DiskEmbedding(torch.nn.Module):
         counts = self._counts
         counts[0] += flat.shape[0]
         counts[1] += unique.shape[0]
-        rows = self._as_torch(raw)
+        rows = self._as_torch(raw, unique)
         if inverse is not None:
             rows = rows.index_select(0, torch.from_numpy(inverse.reshape(-1)))
         return rows.reshape(tuple(input_ids.shape) + (self.embedding_dim,))
 
-    def _as_torch(self, raw: np.ndarray) -> torch.Tensor:
-        """Raw rows -> torch rows in the weight dtype: a float table's bytes are viewed as its torch dtype and cast
-        (exactly gguf's dequantization, without its per-call overhead); a quantized one is dequantized."""
+    def _as_torch(self, raw: np.ndarray, unique: np.ndarray) -> torch.Tensor:
+        """Raw rows of the ids `unique` -> torch rows in the weight dtype: a float table's bytes are viewed as its
+        torch dtype and cast (exactly gguf's dequantization, without its per-call overhead); a quantized or float8
+        one is dequantized by its Table (scales applied)."""
         t = self.table
         if self._as_dtype is not None:
             rows = torch.from_numpy(np.ascontiguousarray(raw)).view(self._as_dtype).reshape(raw.shape[0], -1)
         else:
-            rows = torch.from_numpy(quants.dequantize_rows(raw, t.qtype, t.row_elems))
+            rows = torch.from_numpy(t.dequantize(raw, unique, self.backend))
         return rows if rows.dtype == self.weight_dtype else rows.to(self.weight_dtype)
 
     def _rows_cuda(self, input_ids: torch.Tensor, ids_np: np.ndarray) -> torch.Tensor:

@@ -11,9 +11,12 @@ from ..formats import quants
 from ..formats.quants import Q
 from ..table import Table
 
-# table types whose rows become the weight dtype exactly: every widening (BF16/F16 -> float32), and F32 -> any
-# (transformers' own load-time cast, round to nearest)
-EXACT_TYPES = {torch.float32: (Q.F32, Q.F16, Q.BF16), torch.float16: (Q.F16, Q.F32), torch.bfloat16: (Q.BF16, Q.F32)}
+# table types whose rows become the weight dtype exactly: every widening (BF16/F16 -> float32), F32 -> any
+# (transformers' own load-time cast, round to nearest), and the float8 types -> any: their values (times their
+# scales, formats/scales.py) are the checkpoint's definition of the rows, rounded once to the weight dtype
+FP8 = quants.FP8_TYPES[:2]
+EXACT_TYPES = {torch.float32: (Q.F32, Q.F16, Q.BF16, *FP8), torch.float16: (Q.F16, Q.F32, *FP8),
+               torch.bfloat16: (Q.BF16, Q.F32, *FP8)}
 
 
 def check_fit(table: Table, module, cfg, weight_dtype, allow_quantized: bool) -> None:
