@@ -22,13 +22,14 @@
 #   compile      70  once, so that compile errors show here and later steps find the results cached: the host build
 #                    of kernels/host_check.cu (g++; host_kernels.host_library, cached under $TMPDIR), the native
 #                    helpers (native.build into $XDG_CACHE_HOME/gds-gather), and with a GPU every NVRTC module:
-#                    dequant_gpu's one module per supported type (all kernels of each; GPU_CHECK_COMPILE_THREADS
+#                    dequant_gpu's one module per row type (all kernels of each; GPU_CHECK_COMPILE_THREADS
 #                    at a time, default 4; a type that fails is compiled again alone before it counts as an error)
 #                    and devcache's copy.cu (CuPy's cache: CUPY_CACHE_DIR=$WORK/cupy-cache); then a new process
 #                    loads one of each and says whether CuPy's disk cache spared it the compile (CuPy reuses it for
 #                    modules with name_expressions only in its newer releases). Without a GPU: NVRTC "skipped: no
 #                    GPU", the host build and native helpers still built. Its parts: $WORK/compile.json -> summary.
-#   test-kernels 55  tests/gpu/test_kernels_gpu.py: every kernel exact against the reference on the device
+#   test-kernels 55  tests/gpu/test_kernels_gpu.py and test_fp8_kernels.py: every kernel exact against the reference
+#                    on the device (the float8 ones, scaled or not, against the bit-level oracle)
 #   test-device  50  tests/gpu/test_device_gpu.py but the fault tests and the per-type Table sweep: every backend and
 #                    destination (eager) with values, streams, close, refusals
 #   test-faults  45  the read-error-mid-prefill (fault path) tests
@@ -100,7 +101,7 @@ cap() { awk -v n="$1" '$1 == n {print $2}' <<<"$CAPS"; }
 
 # The test steps, one a line: NAME|pytest arguments separated by ';' (files, and -k where a file is split). The
 # first run's matrix: what only a GPU can show. Gpu tests in none of them are listed in the summary, not run.
-TEST_STEPS="test-kernels|tests/gpu/test_kernels_gpu.py
+TEST_STEPS="test-kernels|tests/gpu/test_kernels_gpu.py;tests/gpu/test_fp8_kernels.py
 test-device|tests/gpu/test_device_gpu.py;-k;not read_error and not every_type
 test-faults|tests/gpu/test_device_gpu.py;-k;read_error
 test-prefill|tests/prefill/test_prefill.py;-k;(qwen4exp and not evicting) or per_layer_inputs"
@@ -239,8 +240,8 @@ def nvrtc_dequant():
         return "skipped: no GPU", ""
     import cupy as cp
     from gds_gather.gpu import dequant as dg
-    from gds_gather.formats.quants import supported_types
-    types = list(supported_types())
+    from gds_gather.formats.quants import row_types
+    types = list(row_types())       # the GGML types and the float8 ones (whose modules hold the scaled kernels too)
     threads = max(1, int(os.environ.get("GPU_CHECK_COMPILE_THREADS", "4")))
     errors, times = {}, compile_s
 

@@ -3,8 +3,8 @@
 // One signature for every quantized type:
 //     template <int T> gg_dq8(const uint8_t* blk, int i, const uint8_t* tab, float* y)
 // writes elements [8*i, 8*i + 8) of the block at `blk` (i in [0, QK/8)). A GPU thread calls it once per
-// 8 outputs; the host check loops i over the block. Float types (F32/F16/BF16: "blocks" of one element)
-// use gg_dq1<T>(p) instead.
+// 8 outputs; the host check loops i over the block. Float types (F32/F16/BF16 and the float8 types: "blocks" of
+// one element) use gg_dq1<T>(p) instead.
 //
 // Every value is computed with gguf.quants' float32 operation order (gguf-py/gguf/quants.py
 // dequantize_blocks), so host and device results are bit-identical to gguf.quants.dequantize:
@@ -13,9 +13,11 @@
 //   * every product that is followed by an add is exact (fp16 scale x small integer), so FMA contraction
 //     cannot change a result; the sources are compiled with contraction off anyway (nvcc/NVRTC --fmad=false,
 //     g++ -ffp-contract=off);
-//   * subnormals: only MXFP4 (e8m0 exponent 0 or 1) and the output scale can meet them, and those products
-//     go through gg_mul, which is IEEE on the device even when CuPy compiles with -ftz=true.
-// fp16, bf16, e8m0 and ue4m3 fields are decoded by bit manipulation (the same code on host and device).
+//   * subnormals: only MXFP4 (e8m0 exponent 0 or 1), the block scales and the output scale (gather.cu) can meet
+//     them, and those products go through gg_mul, which is IEEE on the device even when CuPy compiles with
+//     -ftz=true.
+// fp16, bf16, e8m0, ue4m3 fields and float8 elements are decoded by bit manipulation (the same code on host and
+// device).
 //
 // Lookup tables (IQ grids, ksigns, kvalues, IQ1 deltas) are not in this file: gds_gather.gpu.dequant builds
 // one byte blob from gguf.quants at load time and defines GG_OFF_<NAME> (byte offset of each table in it).
@@ -55,10 +57,12 @@ typedef unsigned long long uint64_t;
 #error "GG_OFF_* table offsets are defined by gds_gather.gpu.dequant.defines() (built from gguf.quants)"
 #endif
 
-// ---- GGML types: X(name, ggml type id, elements per block, bytes per block) --------------------------------
-// Ids and geometry are gguf.GGML_QUANT_SIZES facts; tests check them against the installed gguf.
+// ---- row types: X(name, type id, elements per block, bytes per block) --------------------------------------
+// GGML types: ids and geometry are gguf.GGML_QUANT_SIZES facts; tests check them against the installed gguf.
+// The float8 types (one byte per element) carry ids GGML does not use: gds_gather.formats.quants.FP8_IDS.
 #define GG_TYPE_LIST(X)                                                                                      \
     X(F32, 0, 1, 4) X(F16, 1, 1, 2) X(BF16, 30, 1, 2)                                                        \
+    X(F8_E4M3, 1000, 1, 1) X(F8_E5M2, 1001, 1, 1) X(F8_E8M0, 1002, 1, 1)                                    \
     X(Q4_0, 2, 32, 18) X(Q4_1, 3, 32, 20) X(Q5_0, 6, 32, 22) X(Q5_1, 7, 32, 24) X(Q8_0, 8, 32, 34)           \
     X(Q2_K, 10, 256, 84) X(Q3_K, 11, 256, 110) X(Q4_K, 12, 256, 144) X(Q5_K, 13, 256, 176)                   \
     X(Q6_K, 14, 256, 210) X(IQ2_XXS, 16, 256, 66) X(IQ2_XS, 17, 256, 74) X(IQ3_XXS, 18, 256, 98)             \
@@ -132,9 +136,10 @@ GG_HD float gg_soft_mul(float fa, float fb) {
 }
 
 // a * b, rounded to nearest even, subnormal operands and results kept. On NVIDIA devices this is an explicit
-// mul.rn.f32: CuPy appends -ftz=true to every NVRTC compile (after our --ftz=false), and the two products that
-// can meet subnormals (MXFP4 with e8m0 exponent 0 or 1; the optional output scale, e.g. on F32/BF16 subnormals)
-// must not be flushed. Every other operation here only sees normal values (fp16 scales are multiples of 2^-24).
+// mul.rn.f32: CuPy appends -ftz=true to every NVRTC compile (after our --ftz=false), and the products that can
+// meet subnormals (MXFP4 with e8m0 exponent 0 or 1; a block scale, e.g. e8m0 2^-127; the optional output scale,
+// e.g. on F32/BF16 subnormals) must not be flushed. Every other operation here only sees normal values (fp16
+// scales are multiples of 2^-24).
 // On HIP devices (and in the host build with GG_SOFT_MUL) the hardware multiply is used only where operands and
 // exact product are all normal (exponent sum >= 2^-125: flushing cannot apply, IEEE rounding is the same), and
 // gg_soft_mul otherwise.
@@ -206,6 +211,28 @@ template <int T> GG_HD float gg_dq1(const uint8_t* p);
 template <> GG_HD float gg_dq1<GG_F32>(const uint8_t* p) { return gg_f32(gg_ld32(p)); }
 template <> GG_HD float gg_dq1<GG_F16>(const uint8_t* p) { return gg_half(gg_ld16(p)); }
 template <> GG_HD float gg_dq1<GG_BF16>(const uint8_t* p) { return gg_bf16(gg_ld16(p)); }
+
+// float8 bytes, exactly (quants.fp8_lut): the float32 bits are assembled directly; the one arithmetic step, a
+// subnormal's m * 2^-9 (e4m3) or m * 2^-16 (e5m2), is an exact product of normal numbers. NaN is the quiet NaN
+// with the byte's sign (0x7fc00000 | sign), as numpy's copysign(nan) gives it; -0 keeps its sign.
+GG_HD float gg_e4m3(uint32_t x) {                      // OCP e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+    const uint32_t sign = (x & 0x80u) << 24, e = (x >> 3) & 15u, m = x & 7u;
+    if ((x & 0x7fu) == 0x7fu) return gg_f32(sign | 0x7fc00000u);
+    if (e == 0) return gg_f32(sign | gg_bits(gg_i2f((int)m) * 0.001953125f));
+    return gg_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+GG_HD float gg_e5m2(uint32_t x) {                      // bias 15, S.11111.00 is infinity, S.11111.mm NaN
+    const uint32_t sign = (x & 0x80u) << 24, e = (x >> 2) & 31u, m = x & 3u;
+    if (e == 31) return gg_f32(sign | (m ? 0x7fc00000u : 0x7f800000u));
+    if (e == 0) return gg_f32(sign | gg_bits(gg_i2f((int)m) * 1.52587890625e-05f));
+    return gg_f32(sign | ((e + 112u) << 23) | (m << 21));
+}
+// UE8M0: 2^(e-127); e = 0 is the float32 subnormal 2^-127 (bits 0x00400000, made from bits: nothing flushes it),
+// 0xFF is NaN.
+GG_HD float gg_e8m0(uint32_t e) { return gg_f32(e == 255 ? 0x7fc00000u : e ? e << 23 : 0x00400000u); }
+template <> GG_HD float gg_dq1<GG_F8_E4M3>(const uint8_t* p) { return gg_e4m3(p[0]); }
+template <> GG_HD float gg_dq1<GG_F8_E5M2>(const uint8_t* p) { return gg_e5m2(p[0]); }
+template <> GG_HD float gg_dq1<GG_F8_E8M0>(const uint8_t* p) { return gg_e8m0(p[0]); }
 
 // ---- quantized types: elements [8i, 8i+8) of one block --------------------------------------------------------
 template <int T> GG_HD void gg_dq8(const uint8_t* __restrict__ b, int i, const uint8_t* __restrict__ tab,

@@ -1,7 +1,9 @@
 // Dequant-scatter gather: quantized rows in staging -> float32 / float16 / bfloat16 rows in GPU memory.
 //
-// gg_gather<T, OD, I>: T = GGML type id, OD = output dtype (0 float32, 1 float16, 2 bfloat16; 16-bit outputs
-// are written as raw bits), I = index type of the inverse map (int or long long).
+// gg_gather<T, OD, I>: T = row type id (GGML's, or a float8 id), OD = output dtype (0 float32, 1 float16,
+// 2 bfloat16; 16-bit outputs are written as raw bits), I = index type of the inverse map (int or long long).
+// gg_gather_scaled<T, S, OD, I>: the same for a table with block scales of element type S (GG_SCALE_TYPES), for
+// the row types of GG_SCALED_TYPES; its arguments are gg_gather's, then sstaging, soffsets, sblock.
 //
 //   staging   uint8 bytes holding the unique rows (compact: row u at u*row_bytes; O_DIRECT windows: anywhere)
 //   offsets   int64 [U], byte offset of unique row u in staging (no alignment required)
@@ -11,6 +13,14 @@
 //             is gemma's per-layer layout [n_layer, n_rows, 256]
 //   value     out = dequant(row)[e] (* scale when has_scale), scale applied in float32 after dequantization,
 //             then rounded to nearest even into the output dtype
+// and, scaled:
+//   sstaging  uint8 bytes holding the scale rows
+//   soffsets  int64 [U], byte offset in sstaging of unique row u's scale row (unique rows may share one: a 2-D
+//             block of scales covers several rows)
+//   sblock    elements per scale along the row: element e of unique row u takes scale e / sblock of its scale
+//             row, which holds ceil(row_elems / sblock) scales
+//   value     out = dequant(row)[e] * scale_e (one float32 product, rounded to nearest even, subnormals kept),
+//             then as above (* scale when has_scale, then the output rounding)
 //
 // Work unit ("item"): 8 consecutive elements of one row. A CTA of 256 threads takes `rows_per_cta` consecutive
 // output rows and strides over their items, so neighbouring threads read neighbouring bytes and write
@@ -114,13 +124,20 @@ template <int OD> GG_HD void gg_store1(void* __restrict__ out, long long at, flo
 }
 
 // ---- one item: output row `row`, elements [8*item, 8*item + 8) ------------------------------------------------
-template <int T, int OD, typename I>
+// The row types with a block-scaled variant, and the scale element types (F32, BF16, UE8M0).
+#define GG_SCALED_TYPES(X) X(F8_E4M3) X(F8_E5M2)
+#define GG_SCALE_TYPES(X) X(F32) X(BF16) X(F8_E8M0)
+#define GG_NO_SCALE (-1)                               // S of an unscaled table: sstaging, soffsets, sblock unused
+
+template <int T, int S, int OD, typename I>
 GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets,
                           const I* __restrict__ inverse, void* __restrict__ out, const uint8_t* __restrict__ tab,
                           long long n_rows, int row_elems, int seg, float scale, int has_scale,
+                          const uint8_t* __restrict__ sstaging, const long long* __restrict__ soffsets, int sblock,
                           long long row, int item) {
     constexpr unsigned QK = GGTraits<T>::QK, TS = GGTraits<T>::TS;
-    const uint8_t* src = staging + offsets[(long long)inverse[row]];
+    const long long u = (long long)inverse[row];
+    const uint8_t* src = staging + offsets[u];
     const unsigned e0 = 8u * (unsigned)item;
     float v[8];
     int n = 8;
@@ -129,6 +146,21 @@ GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* 
         for (int k = 0; k < 8; ++k) v[k] = k < n ? gg_dq1<T>(src + (unsigned long long)(e0 + k) * TS) : 0.0f;
     } else {
         gg_dq8<T>(src + (unsigned long long)(e0 / QK) * TS, (int)((e0 % QK) >> 3), tab, v);
+    }
+    if constexpr (S != GG_NO_SCALE) {                  // element e0 + k takes scale (e0 + k) / sblock
+        constexpr unsigned STS = GGTraits<S>::TS;
+        const uint8_t* sp = sstaging + soffsets[u];
+        unsigned si = e0 / (unsigned)sblock;
+        unsigned left = (si + 1) * (unsigned)sblock - e0;     // elements of this item before the next scale
+        float sc = gg_dq1<S>(sp + si * STS);
+        for (int k = 0; k < n; ++k) {                  // only the row's elements: no scale read past the row's
+            if ((unsigned)k == left) {
+                ++si;
+                left += (unsigned)sblock;
+                sc = gg_dq1<S>(sp + si * STS);
+            }
+            v[k] = gg_mul(v[k], sc);
+        }
     }
     if (has_scale)
         for (int k = 0; k < 8; ++k) v[k] = gg_mul(v[k], scale);
@@ -165,11 +197,14 @@ GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* 
 #else
 #define GG_LAUNCH_BOUNDS __launch_bounds__(GG_BLOCK, GG_MIN_CTAS)
 #endif
-template <int T, int OD, typename I>
-__global__ void GG_LAUNCH_BOUNDS
-gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets, const I* __restrict__ inverse,
-          void* __restrict__ out, const uint8_t* __restrict__ tab, long long n_rows, int row_elems, int seg,
-          int rows_per_cta, float scale, int has_scale) {
+// The CTA's share of the gather: rows [row0, row0 + rows_per_cta), every item of each.
+template <int T, int S, int OD, typename I>
+__device__ __forceinline__ void gg_gather_cta(const uint8_t* __restrict__ staging,
+                                              const long long* __restrict__ offsets, const I* __restrict__ inverse,
+                                              void* __restrict__ out, const uint8_t* __restrict__ tab,
+                                              long long n_rows, int row_elems, int seg, int rows_per_cta,
+                                              float scale, int has_scale, const uint8_t* __restrict__ sstaging,
+                                              const long long* __restrict__ soffsets, int sblock) {
     const int items = (row_elems + 7) >> 3;
     const long long row0 = (long long)blockIdx.x * rows_per_cta;
     const long long left = n_rows - row0;
@@ -178,8 +213,8 @@ gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ off
     int li = threadIdx.x;
     int r = li / items, k = li - r * items;
     for (; li < total; li += GG_BLOCK) {
-        gg_gather_item<T, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale,
-                                 row0 + r, k);
+        gg_gather_item<T, S, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale,
+                                    sstaging, soffsets, sblock, row0 + r, k);
         r += step_r;
         k += step_k;
         if (k >= items) {
@@ -189,24 +224,64 @@ gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ off
     }
 }
 
-// Compile checks (nvcc, hipcc): GG_INSTANTIATE_ALL builds every kernel the Python side names (26 types x 3 output
-// dtypes x 2 index types); GG_INSTANTIATE_EACH_TYPE builds one per type (int indices, output dtype id % 3, so
-// every dequantizer and every output path is compiled) plus Q4_0's other five: 31, for slower compilers.
+template <int T, int OD, typename I>
+__global__ void GG_LAUNCH_BOUNDS
+gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets, const I* __restrict__ inverse,
+          void* __restrict__ out, const uint8_t* __restrict__ tab, long long n_rows, int row_elems, int seg,
+          int rows_per_cta, float scale, int has_scale) {
+    gg_gather_cta<T, GG_NO_SCALE, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, rows_per_cta,
+                                         scale, has_scale, nullptr, nullptr, 1);
+}
+
+template <int T, int S, int OD, typename I>
+__global__ void GG_LAUNCH_BOUNDS
+gg_gather_scaled(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets,
+                 const I* __restrict__ inverse, void* __restrict__ out, const uint8_t* __restrict__ tab,
+                 long long n_rows, int row_elems, int seg, int rows_per_cta, float scale, int has_scale,
+                 const uint8_t* __restrict__ sstaging, const long long* __restrict__ soffsets, int sblock) {
+    gg_gather_cta<T, S, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, rows_per_cta, scale,
+                               has_scale, sstaging, soffsets, sblock);
+}
+
+// Compile checks (nvcc, hipcc): GG_INSTANTIATE_ALL builds every kernel the Python side names (29 row types x 3
+// output dtypes x 2 index types, and the scaled kernels: 2 float8 types x 3 scale types x 3 x 2);
+// GG_INSTANTIATE_EACH_TYPE builds one per type (int indices, output dtype id % 3, so every dequantizer and every
+// output path is compiled) plus Q4_0's other five, and one scaled kernel per (type, scale type) pair, over
+// every output dtype and both index types: 34 + 6, for slower compilers.
 #define GG_INST1(id, od, I)                                                                                      \
     template __global__ void gg_gather<id, od, I>(const uint8_t* __restrict__, const long long* __restrict__,  \
                                                   const I* __restrict__, void* __restrict__,                   \
                                                   const uint8_t* __restrict__, long long, int, int, int, float, int);
+#define GG_INST_SCALED1(t, s, od, I)                                                                             \
+    template __global__ void gg_gather_scaled<GG_##t, GG_##s, od, I>(                                           \
+        const uint8_t* __restrict__, const long long* __restrict__, const I* __restrict__, void* __restrict__,  \
+        const uint8_t* __restrict__, long long, int, int, int, float, int, const uint8_t* __restrict__,         \
+        const long long* __restrict__, int);
 #if defined(GG_INSTANTIATE_ALL)
 #define GG_INST(name, id, qk, ts)                                                                                \
     GG_INST1(id, 0, int) GG_INST1(id, 1, int) GG_INST1(id, 2, int)                                               \
     GG_INST1(id, 0, long long) GG_INST1(id, 1, long long) GG_INST1(id, 2, long long)
 GG_TYPE_LIST(GG_INST)
 #undef GG_INST
+#define GG_INST_S(s, t)                                                                                          \
+    GG_INST_SCALED1(t, s, 0, int) GG_INST_SCALED1(t, s, 1, int) GG_INST_SCALED1(t, s, 2, int)                    \
+    GG_INST_SCALED1(t, s, 0, long long) GG_INST_SCALED1(t, s, 1, long long) GG_INST_SCALED1(t, s, 2, long long)
+#define GG_INST_E4M3(s) GG_INST_S(s, F8_E4M3)
+#define GG_INST_E5M2(s) GG_INST_S(s, F8_E5M2)
+GG_SCALE_TYPES(GG_INST_E4M3)
+GG_SCALE_TYPES(GG_INST_E5M2)
+#undef GG_INST_E4M3
+#undef GG_INST_E5M2
+#undef GG_INST_S
 #elif defined(GG_INSTANTIATE_EACH_TYPE)
 #define GG_INST(name, id, qk, ts) GG_INST1(id, id % 3, int)
 GG_TYPE_LIST(GG_INST)
 #undef GG_INST
 GG_INST1(2, 0, int) GG_INST1(2, 1, int) GG_INST1(2, 0, long long) GG_INST1(2, 1, long long) GG_INST1(2, 2, long long)
+GG_INST_SCALED1(F8_E4M3, F32, 0, int) GG_INST_SCALED1(F8_E4M3, BF16, 1, long long)
+GG_INST_SCALED1(F8_E4M3, F8_E8M0, 2, int) GG_INST_SCALED1(F8_E5M2, F32, 1, int)
+GG_INST_SCALED1(F8_E5M2, BF16, 2, long long) GG_INST_SCALED1(F8_E5M2, F8_E8M0, 0, long long)
 #endif
 #undef GG_INST1
+#undef GG_INST_SCALED1
 #endif  // __CUDACC__ || __HIP__

@@ -19,23 +19,27 @@ void dequant_blocks(const uint8_t* blocks, long long n_blocks, const uint8_t* ta
     }
 }
 
-template <int T, int OD, typename I>
+// The gather kernel's body over every (row, item); S = GG_NO_SCALE for gg_gather, a scale type for
+// gg_gather_scaled.
+template <int T, int S, int OD, typename I>
 void gather_rows(const uint8_t* staging, const long long* offsets, const void* inverse, void* out,
-                 const uint8_t* tab, long long n_rows, int row_elems, int seg, float scale, int has_scale) {
+                 const uint8_t* tab, long long n_rows, int row_elems, int seg, float scale, int has_scale,
+                 const uint8_t* sstaging, const long long* soffsets, int sblock) {
     const int items = (row_elems + 7) / 8;
     for (long long r = 0; r < n_rows; ++r)
         for (int k = 0; k < items; ++k)
-            gg_gather_item<T, OD, I>(staging, offsets, static_cast<const I*>(inverse), out, tab, n_rows, row_elems,
-                                     seg, scale, has_scale, r, k);
+            gg_gather_item<T, S, OD, I>(staging, offsets, static_cast<const I*>(inverse), out, tab, n_rows,
+                                        row_elems, seg, scale, has_scale, sstaging, soffsets, sblock, r, k);
 }
 
-template <int T>
+template <int T, int S>
 int gather_type(int od, int idx64, const uint8_t* staging, const long long* offsets, const void* inverse,
                 void* out, const uint8_t* tab, long long n_rows, int row_elems, int seg, float scale,
-                int has_scale) {
+                int has_scale, const uint8_t* sstaging, const long long* soffsets, int sblock) {
 #define GG_CASE(o, I)                                                                                         \
     if (od == o) {                                                                                            \
-        gather_rows<T, o, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale); \
+        gather_rows<T, S, o, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale, \
+                                sstaging, soffsets, sblock);                                                  \
         return 0;                                                                                             \
     }
     if (idx64) {
@@ -79,10 +83,32 @@ int gg_host_gather(int type, int od, int idx64, const uint8_t* staging, const lo
                    int has_scale) {
     switch (type) {
 #define GG_GA(name, id, q, t) \
-    case id: return gather_type<id>(od, idx64, staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale);
+    case id: return gather_type<id, GG_NO_SCALE>(od, idx64, staging, offsets, inverse, out, tab, n_rows, row_elems, \
+                                                 seg, scale, has_scale, nullptr, nullptr, 1);
         GG_TYPE_LIST(GG_GA)
 #undef GG_GA
     }
+    return -1;
+}
+
+// The same for gg_gather_scaled<T, stype, od, I> (its arguments: gg_gather's, then sstaging, soffsets, sblock);
+// -1 for a (type, stype) pair without a scaled kernel.
+int gg_host_gather_scaled(int type, int stype, int od, int idx64, const uint8_t* staging, const long long* offsets,
+                          const void* inverse, void* out, const uint8_t* tab, long long n_rows, int row_elems,
+                          int seg, float scale, int has_scale, const uint8_t* sstaging, const long long* soffsets,
+                          int sblock) {
+#define GG_GS(sname)                                                                                           \
+    if (stype == GG_##sname)                                                                                   \
+        return gather_type<T, GG_##sname>(od, idx64, staging, offsets, inverse, out, tab, n_rows, row_elems, seg, \
+                                          scale, has_scale, sstaging, soffsets, sblock);
+#define GG_GT(tname)                                                                                           \
+    if (type == GG_##tname) {                                                                                  \
+        constexpr int T = GG_##tname;                                                                          \
+        GG_SCALE_TYPES(GG_GS)                                                                                  \
+    }
+    GG_SCALED_TYPES(GG_GT)
+#undef GG_GT
+#undef GG_GS
     return -1;
 }
 

@@ -94,9 +94,10 @@ class CudaAccel(Accel):
     def copy(self, dst, src, stream):
         dst.copy_(src, non_blocking=True)       # (on torch's current stream: the step runs under using(stream))
 
-    def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, **kw):
+    def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, block_scales=None, **kw):
         from . import dequant
-        return dequant.gather_rows(staging, offsets, inverse, qtype, row_elems, dtype=dtype, stream=stream, **kw)
+        return dequant.gather_rows(staging, offsets, inverse, qtype, row_elems, dtype=dtype, stream=stream,
+                                   block_scales=block_scales, **kw)     # kw: out, scale, layout, n_layer
 
     def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream, device_id=0):
         from . import devcache

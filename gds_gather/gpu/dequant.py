@@ -1,9 +1,12 @@
-"""Dequant-scatter of quantized GGUF rows on the GPU: compile, launch, and the checks of a launch's arguments.
+"""Dequant-scatter of quantized rows on the GPU: compile, launch, and the checks of a launch's arguments.
 
 The kernels (``kernels/dequant.cuh``, ``kernels/gather.cu``) read quantized rows from a staging buffer, map
 each output row to its unique row through the planner's inverse map, dequantize every GGUF type gguf can
-dequantize, at any valid width, optionally scale, and write float32, float16 or bfloat16, either flat
-``[n, row_elems]`` or in gemma's per-layer layout ``[n_layer, n, row_elems // n_layer]``.
+dequantize and the float8 types (quants.row_types()), at any valid width, optionally scale, and write float32,
+float16 or bfloat16, either flat ``[n, row_elems]`` or in gemma's per-layer layout
+``[n_layer, n, row_elems // n_layer]``. Float8 tables may carry block scales (BlockScales: one F32, BF16 or
+UE8M0 scale per ``sblock`` elements of a row, in a second staging buffer), applied by the scaled kernels as one
+float32 product per element, rounded to nearest even with subnormals kept, before the output scale.
 
 Compiled once per process and type (nvrtc.py: CuPy's RawModule, ``name_expressions``) from the translation unit
 of tables.py (the lookup tables from gguf), launched on the caller's stream, never synchronizing. The same
@@ -12,11 +15,12 @@ source built for the host, and the numpy oracle, are host_kernels.py.
 Exactness: every type follows gguf.quants' float32 operation order. Products followed by an add are exact
 (fp16 scale x small integer), so FMA contraction cannot change a result, and the sources are compiled without
 it anyway (NVRTC ``--fmad=false``, g++ ``-ffp-contract=off``). The products that can meet subnormals (MXFP4
-with e8m0 exponent 0 or 1, the output scale) use an explicit ``mul.rn.f32`` on the device, so CuPy's
-``-ftz=true`` (appended to every NVRTC compile) cannot flush them. float32 output therefore equals
-``gguf.quants.dequantize`` bit for bit, and the GPU tests compare exactly (no ulp tolerance). float16 and
-bfloat16 outputs round the (scaled) float32 value to nearest even, as numpy ``astype(float16)`` and torch
-``.to(bfloat16)`` do; only NaN payloads may differ (sm_80+ conversion instructions write a canonical NaN).
+with e8m0 exponent 0 or 1, the block scales, the output scale) use an explicit ``mul.rn.f32`` on the device, so
+CuPy's ``-ftz=true`` (appended to every NVRTC compile) cannot flush them. float32 output therefore equals
+``gguf.quants.dequantize`` (float8: the format's value, quants.fp8_lut) bit for bit, and the GPU tests compare
+exactly (no ulp tolerance). float16 and bfloat16 outputs round the (scaled) float32 value to nearest even, as
+numpy ``astype(float16)`` and torch ``.to(bfloat16)`` do; only NaN payloads may differ (sm_80+ conversion
+instructions and ``mul.rn`` write a canonical NaN).
 
 cupy and torch are imported lazily; nothing here imports them at module import time.
 """
@@ -24,18 +28,18 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from . import arrays, nvrtc
 from .tables import source, table_blob
 from ..formats import quants
-from ..errors import RowWidthError
+from ..errors import RowWidthError, UnsupportedTypeError
 
-Q = GGMLQuantizationType
+R = quants.RowType
 
 OUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
@@ -43,6 +47,46 @@ BLOCK = 256          # threads per CTA (GG_BLOCK in gather.cu)
 ITEM = 8             # elements per thread work item
 ITEMS_PER_CTA = 2048  # work per CTA when the gather is large enough to fill the GPU
 LAYOUTS = ("flat", "per_layer")
+SCALED_TYPES = (R.F8_E4M3, R.F8_E5M2)        # row types with block-scaled kernels (GG_SCALED_TYPES in gather.cu)
+SCALE_TYPES = (R.F32, R.BF16, R.F8_E8M0)     # their scale element types (GG_SCALE_TYPES)
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """The block scales of a scaled float8 gather (gather_rows' ``block_scales``; a 4-tuple in this order is taken
+    too).
+
+    sstaging : uint8 array holding the scale rows, in the memory of the other arguments
+    soffsets : int64 array [U]: byte offset in sstaging of unique row u's scale row (rows may share one)
+    stype : the scale element type, one of SCALE_TYPES (RowType, name or id)
+    sblock : elements per scale along the row; a scale row holds ceil(row_elems / sblock) scales
+    """
+    sstaging: object
+    soffsets: object
+    stype: object
+    sblock: int
+
+
+def as_block_scales(block_scales) -> BlockScales:
+    return block_scales if isinstance(block_scales, BlockScales) else BlockScales(*block_scales)
+
+
+def scale_geometry(qtype, block_scales, row_elems: int) -> tuple[quants.RowType, int, int]:
+    """(scale type, sblock, bytes per scale row) of a scaled gather; UnsupportedTypeError / ValueError otherwise."""
+    qt, bs = quants.check_supported(qtype), as_block_scales(block_scales)
+    if qt not in SCALED_TYPES:
+        raise UnsupportedTypeError(f"block scales apply to {', '.join(t.name for t in SCALED_TYPES)} rows, "
+                                   f"not {qt.name}")
+    st = quants.qtype_of(bs.stype)
+    if st not in SCALE_TYPES:
+        raise UnsupportedTypeError(f"block scales must be {', '.join(t.name for t in SCALE_TYPES)}, got {st.name}")
+    try:
+        sblock = operator.index(bs.sblock)
+    except TypeError:
+        raise TypeError(f"block_scales.sblock must be an int, got {bs.sblock!r}") from None
+    if not 1 <= sblock < 2**31:
+        raise ValueError(f"block_scales.sblock must be a positive int32, got {sblock}")
+    return st, sblock, -(-int(row_elems) // sblock) * quants.block_geometry(st)[1]
 
 
 # ---- names -----------------------------------------------------------------------------------------------------
@@ -56,18 +100,26 @@ def _index_name(index_dtype) -> str:
     return name
 
 
-def kernel_name(qtype, dtype="float32", index_dtype="int64") -> str:
-    """The C++ name expression of one kernel instance, e.g. 'gg_gather<20, 1, long long>'."""
+def kernel_name(qtype, dtype="float32", index_dtype="int64", scale_type=None) -> str:
+    """The C++ name expression of one kernel instance, e.g. 'gg_gather<20, 1, long long>', or with a scale type
+    the scaled kernel's, e.g. 'gg_gather_scaled<1000, 1002, 2, int>'."""
     qt = quants.check_supported(qtype)
     idx = _index_name(index_dtype)
     if idx not in INDEX_CTYPES:
         raise TypeError(f"inverse indices must be int32 or int64, got {index_dtype!r}")
-    return f"gg_gather<{int(qt)}, {OUT_DTYPES[arrays.dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
+    tail = f"{OUT_DTYPES[arrays.dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
+    if scale_type is None:
+        return f"gg_gather<{int(qt)}, {tail}"
+    st, _, _ = scale_geometry(qt, (None, None, scale_type, 1), 1)
+    return f"gg_gather_scaled<{int(qt)}, {int(st)}, {tail}"
 
 
 def kernel_names(qtype) -> tuple[str, ...]:
-    """Every kernel instance of one type (3 output dtypes x 2 index types)."""
-    return tuple(kernel_name(qtype, d, i) for i in INDEX_CTYPES for d in OUT_DTYPES)
+    """Every kernel instance of one type: 3 output dtypes x 2 index types, and for SCALED_TYPES as many again per
+    scale type."""
+    qt = quants.check_supported(qtype)
+    scales = (None, *SCALE_TYPES) if qt in SCALED_TYPES else (None,)
+    return tuple(kernel_name(qt, d, i, s) for s in scales for i in INDEX_CTYPES for d in OUT_DTYPES)
 
 
 # ---- GPU: compile, tables, launch ----------------------------------------------------------------------------------
@@ -78,14 +130,14 @@ def _cupy():
 def module(qtype):
     """The cupy.RawModule holding the kernels of one type (nvrtc.module: compiled on first use, then cached).
 
-    One module per type keeps a process from compiling the 25 types it never gathers.
+    One module per type keeps a process from compiling the types it never gathers.
     """
     return nvrtc.module(source(), kernel_names(quants.check_supported(qtype)))
 
 
 @functools.cache
-def _kernel(qt_id: int, dtype: str, index_dtype: str):
-    return module(Q(qt_id)).get_function(kernel_name(qt_id, dtype, index_dtype))
+def _kernel(qt_id: int, dtype: str, index_dtype: str, st_id: int | None = None):
+    return module(qt_id).get_function(kernel_name(qt_id, dtype, index_dtype, st_id))
 
 
 _dev_lock = threading.Lock()
@@ -107,22 +159,26 @@ def _device_state(device_id: int):
         return tab, _dev_sms[device_id]
 
 
-def warmup(qtypes, dtypes=("float32", "float16", "bfloat16"), index_dtypes=("int32", "int64"), device=None):
-    """Compile and load the kernels of `qtypes` and upload the tables, ahead of timing or of CUDA-graph capture.
+def warmup(qtypes, dtypes=("float32", "float16", "bfloat16"), index_dtypes=("int32", "int64"), device=None,
+           scale_types=SCALE_TYPES):
+    """Compile and load the kernels of `qtypes` and upload the tables, ahead of timing or of CUDA-graph capture;
+    for SCALED_TYPES also their scaled kernels of `scale_types`.
 
     gather_rows does all of this lazily on first use; inside a stream capture it must already be done.
     """
     cp = _cupy()
     dev = cp.cuda.Device().id if device is None else int(device)
-    if isinstance(qtypes, (str, int, Q)):
+    if isinstance(qtypes, (str, int)):
         qtypes = (qtypes,)
     with cp.cuda.Device(dev):
         _device_state(dev)
         for qt in qtypes:
             q = quants.check_supported(qt)
-            for d in dtypes:
-                for i in index_dtypes:
-                    _kernel(int(q), arrays.dtype_name(d), _index_name(i)).kernel   # forces compile + module load
+            scales = (None, *(int(quants.qtype_of(s)) for s in scale_types)) if q in SCALED_TYPES else (None,)
+            for s in scales:
+                for d in dtypes:
+                    for i in index_dtypes:     # .kernel forces the compile and the module load
+                        _kernel(int(q), arrays.dtype_name(d), _index_name(i), s).kernel
 
 
 def _kind(x, what: str) -> str:
@@ -230,7 +286,7 @@ def launch_config(n_rows: int, row_elems: int, n_sm: int) -> tuple[int, int]:
 
 
 def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dtype="float32", scale=None,
-                layout="flat", n_layer=None, stream=None):
+                layout="flat", n_layer=None, stream=None, block_scales=None):
     """Dequantize and scatter rows on the GPU: ``out[i] = dequant(row inverse[i]) * scale``.
 
     Parameters
@@ -242,8 +298,8 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         Byte offset of each unique row in `staging` (``arange(U) * row_bytes`` or ``plan.row_staging``).
     inverse : int32 or int64 array, any shape (N elements)
         Output row i takes unique row ``inverse.ravel()[i]`` (the planner's ``plan.inverse``).
-    qtype : GGML type (enum, name or id)
-        Every type ``gds_gather.formats.quants.supported_types()`` lists.
+    qtype : row type (RowType, GGML type, name or id)
+        Every type ``gds_gather.formats.quants.row_types()`` lists.
     row_elems : int
         Elements per row; a positive multiple of the type's block size.
     out : array, optional
@@ -258,6 +314,10 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         Layers of the per_layer layout.
     stream : torch.cuda.Stream, cupy.cuda.Stream, int handle, or None
         Where the kernel runs. None: torch's current stream when `inverse` is a torch tensor, else cupy's.
+    block_scales : BlockScales or (sstaging, soffsets, stype, sblock), optional
+        For SCALED_TYPES rows: element j of unique row u is multiplied (float32, rounded to nearest even,
+        subnormals kept) by scale ``j // sblock`` of the scale row at byte ``soffsets[u]`` of `sstaging`, before
+        `scale`. sstaging (bytes) and soffsets (int64, one per unique row) are device arrays like the others.
 
     Returns
     -------
@@ -275,7 +335,8 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
     allocated on the kernel's stream (torch's caching allocator and cupy's pool then hand its memory to another
     array only in that stream's order).
     """
-    g = check_launch(staging, row_offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer)
+    g = check_launch(staging, row_offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer,
+                     block_scales=block_scales)
     cp = _cupy()
     tab, n_sm = _device_state(g.dev)
     handle = _stream_handle(stream, g.kind, g.dev)
@@ -289,11 +350,15 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         if g.n == 0:
             return out
         grid, rpc = launch_config(g.n, g.row_elems, n_sm)
-        fn = _kernel(int(g.qt), g.name, g.inv_dtype)
-        fn((grid,), (BLOCK,), (
-            np.uint64(g.st_ptr), np.uint64(g.off_ptr), np.uint64(g.inv_ptr), np.uint64(out_ptr), tab,
-            np.int64(g.n), np.int32(g.row_elems), np.int32(g.seg), np.int32(rpc),
-            np.float32(1.0 if scale is None else scale), np.int32(scale is not None)))
+        args = (np.uint64(g.st_ptr), np.uint64(g.off_ptr), np.uint64(g.inv_ptr), np.uint64(out_ptr), tab,
+                np.int64(g.n), np.int32(g.row_elems), np.int32(g.seg), np.int32(rpc),
+                np.float32(1.0 if scale is None else scale), np.int32(scale is not None))
+        if g.scales is None:
+            _kernel(int(g.qt), g.name, g.inv_dtype)((grid,), (BLOCK,), args)
+        else:
+            sst_ptr, soff_ptr, st, sblock = g.scales
+            _kernel(int(g.qt), g.name, g.inv_dtype, int(st))(
+                (grid,), (BLOCK,), args + (np.uint64(sst_ptr), np.uint64(soff_ptr), np.int32(sblock)))
     return out
 
 
@@ -318,18 +383,20 @@ class Launch:
     inv_ptr: int
     inv_dtype: str
     dev: int
-    qt: Q
+    qt: quants.RowType
     seg: int
     row_elems: int
     name: str
     n: int
     shape: tuple
+    scales: tuple | None = None     # (sstaging pointer, soffsets pointer, scale type, sblock) of a scaled gather
 
 
 def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", layout="flat", n_layer=None,
-                 host: bool = False) -> Launch:
-    """The checks gather_rows makes on its arguments (kinds, dtypes, one device, the type and geometry), and what
-    the launch needs; host=True for HostAccel's arrays (host.HostAccel.gather makes the same checks)."""
+                 block_scales=None, host: bool = False) -> Launch:
+    """The checks gather_rows makes on its arguments (kinds, dtypes, one device, the type and geometry, the block
+    scales), and what the launch needs; host=True for HostAccel's arrays (host.HostAccel.gather makes the same
+    checks)."""
     kind, inv_ptr, inv_dtype, inv_shape, dev = _describe(inverse, "inverse", host)
     if inv_dtype not in INDEX_CTYPES:
         raise TypeError(f"inverse must be int32 or int64, got {inv_dtype}")
@@ -342,9 +409,24 @@ def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="floa
     if {st_dev, off_dev} != {dev}:
         raise ValueError(f"staging, row_offsets and inverse must be on one device, got {st_dev}, {off_dev}, {dev}")
     qt, _, seg = geometry(qtype, row_elems, layout, n_layer)
+    scales = None
+    if block_scales is not None:
+        st, sblock, _ = scale_geometry(qt, block_scales, row_elems)
+        bs = as_block_scales(block_scales)
+        _, sst_ptr, sst_dtype, _, sst_dev = _describe(bs.sstaging, "block_scales.sstaging", host)
+        _, soff_ptr, soff_dtype, soff_shape, soff_dev = _describe(bs.soffsets, "block_scales.soffsets", host)
+        if sst_dtype not in ("uint8", "int8"):
+            raise TypeError(f"block_scales.sstaging must hold bytes (uint8), got {sst_dtype}")
+        if soff_dtype != "int64" or tuple(soff_shape) != tuple(off_shape):
+            raise TypeError(f"block_scales.soffsets must be int64 of row_offsets' shape {tuple(off_shape)}, got "
+                            f"{soff_dtype} {tuple(soff_shape)}")
+        if {sst_dev, soff_dev} != {dev}:
+            raise ValueError(f"block_scales must be on the device of the other arguments ({dev}), got "
+                             f"{sst_dev}, {soff_dev}")
+        scales = (sst_ptr, soff_ptr, st, sblock)
     n = math.prod(inv_shape)
     return Launch(kind, st_ptr, off_ptr, inv_ptr, inv_dtype, dev, qt, seg, int(row_elems), arrays.dtype_name(dtype),
-                  n, _out_shape(inv_shape, n, int(row_elems), seg, layout))
+                  n, _out_shape(inv_shape, n, int(row_elems), seg, layout), scales)
 
 
 def check_out(out, g: Launch, host: bool = False) -> int:

@@ -261,21 +261,23 @@ class HostAccel(Accel):
         self.current(stream).enqueue(copy)
 
     def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, out=None, scale=None,
-               layout="flat", n_layer=None):
+               layout="flat", n_layer=None, block_scales=None):
         from . import dequant as dq, host_kernels as hk
         g = dq.check_launch(staging, offsets, inverse, qtype, row_elems, dtype=dtype, layout=layout, n_layer=n_layer,
-                            host=True)
+                            block_scales=block_scales, host=True)
         if out is None:
             out = (self.torch.empty(g.shape, dtype=getattr(self.torch, g.name)) if g.kind == "torch" else
                    _dev(np.empty(g.shape, np.uint16 if g.name == "bfloat16" else g.name)))
         dq.check_out(out, g, host=True)
         o = numpy_view(out)
         kw = dict(dtype=g.name, scale=scale, layout=layout, n_layer=n_layer)
+        bs = None if block_scales is None else dq.as_block_scales(block_scales)
 
         def kernel():
             run = hk.host_gather if hk.host_compiler_available() else hk.reference_gather
             st, of, inv = numpy_view(staging), numpy_view(offsets), numpy_view(inverse)
-            o[...] = run(st, of, inv, qtype, row_elems, **kw).view(o.dtype)
+            scales = None if bs is None else (numpy_view(bs.sstaging), numpy_view(bs.soffsets), bs.stype, bs.sblock)
+            o[...] = run(st, of, inv, qtype, row_elems, block_scales=scales, **kw).view(o.dtype)
         self.current(stream).enqueue(kernel)
         return out
 

@@ -1,6 +1,7 @@
 """The dequant kernels run on the host: the very same CUDA C++ (the per-type dequantizers and the gather's
 per-item routine, ``kernels/host_check.cu``) compiled by the host's C++ compiler into a small shared library
-loaded with ctypes, and the numpy oracle they are checked against (gguf.quants.dequantize). This is how the kernels
+loaded with ctypes, and the numpy oracle they are checked against (gguf.quants.dequantize, the float8 values of
+quants.fp8_lut, block scales applied as one numpy float32 product). This is how the kernels
 are checked bit for bit on machines without a GPU, and what host.HostAccel runs as its gather.
 
 Exactness: no contraction and no fast math (g++ ``-ffp-contract=off``; x86-64 float math is SSE, with no excess
@@ -16,11 +17,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
 from . import arrays, kernel_sources, tables
-from .dequant import INDEX_CTYPES, OUT_DTYPES, geometry, output_shape
+from .dequant import INDEX_CTYPES, OUT_DTYPES, as_block_scales, geometry, output_shape, scale_geometry
 from ..errors import BackendError, RowWidthError, UnsupportedTypeError
 from ..formats import quants
 from ..io import cbuild
@@ -76,7 +77,9 @@ def host_library(soft_mul: bool = False) -> ctypes.CDLL:
     dll.gg_geometry.argtypes = [i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
     dll.gg_host_dequant.argtypes = [i32, c_p, i64, c_p, c_p]
     dll.gg_host_gather.argtypes = [i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32, ctypes.c_float, i32]
-    for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather):
+    dll.gg_host_gather_scaled.argtypes = [i32, i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32,
+                                          ctypes.c_float, i32, c_p, c_p, i32]
+    for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather, dll.gg_host_gather_scaled):
         f.restype = i32
     dll.gg_host_mul.argtypes = [c_p, c_p, c_p, i64]
     dll.gg_host_mul.restype = None
@@ -111,7 +114,7 @@ def host_dequantize(blocks: np.ndarray, qtype, soft_mul: bool = False) -> np.nda
     Same shape convention as gguf.quants.dequantize, and (by construction and test) the same bits.
     """
     qt = quants.check_supported(qtype)
-    block, size = GGML_QUANT_SIZES[qt]
+    block, size = quants.block_geometry(qt)
     raw = np.ascontiguousarray(blocks)
     if raw.dtype != np.uint8:
         raise TypeError(f"host_dequantize takes uint8 blocks, got {raw.dtype}")
@@ -143,24 +146,47 @@ def _check_host_args(staging, row_offsets, inverse, rb: int):
     return staging, offs, inv
 
 
+def _check_host_scales(block_scales, qt, row_elems: int, n_unique: int):
+    """(sstaging, soffsets, scale type, sblock) as checked numpy arrays: soffsets one per unique row, every scale
+    row inside sstaging."""
+    st, sblock, srb = scale_geometry(qt, block_scales, row_elems)
+    bs = as_block_scales(block_scales)
+    sst, soffs = np.ascontiguousarray(bs.sstaging), np.ascontiguousarray(bs.soffsets)
+    if sst.dtype != np.uint8:
+        raise TypeError(f"block_scales.sstaging must be uint8, got {sst.dtype}")
+    if soffs.dtype != np.int64 or soffs.shape != (n_unique,):
+        raise TypeError(f"block_scales.soffsets must be int64 [{n_unique}] (one per unique row), got "
+                        f"{soffs.dtype} {soffs.shape}")
+    if soffs.size and (soffs.min() < 0 or soffs.max() + srb > sst.size):
+        raise IndexError(f"block_scales.soffsets reach outside the {sst.size}-byte scale staging buffer")
+    return sst, soffs, st, sblock
+
+
 def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None, layout="flat",
-                n_layer=None, soft_mul: bool = False) -> np.ndarray:
-    """gather_rows' kernel body run on the host over numpy arrays (bounds-checked), for tests and debugging.
+                n_layer=None, block_scales=None, soft_mul: bool = False) -> np.ndarray:
+    """gather_rows' kernel body run on the host over numpy arrays (bounds-checked), for tests and debugging;
+    with block_scales (numpy arrays), gg_gather_scaled's.
 
     Returns float32 / float16 numpy arrays, or uint16 holding bfloat16 bits.
     """
     qt, rb, seg = geometry(qtype, row_elems, layout, n_layer)
     row_elems = int(row_elems)
     staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
+    scaled = None if block_scales is None else _check_host_scales(block_scales, qt, row_elems, offs.size)
     name = arrays.dtype_name(dtype)
     n = inv.size
     out = np.empty(output_shape(inv.shape, qt, row_elems, layout, n_layer),
                    {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[name])
     if n:
-        rc = host_library(soft_mul).gg_host_gather(
-            int(qt), OUT_DTYPES[name], int(inv.dtype == np.int64), _ptr(staging), _ptr(offs), _ptr(inv), _ptr(out),
-            _ptr(tables.table_blob()), n, row_elems, seg, 1.0 if scale is None else float(np.float32(scale)),
-            int(scale is not None))
+        lib = host_library(soft_mul)
+        args = (OUT_DTYPES[name], int(inv.dtype == np.int64), _ptr(staging), _ptr(offs), _ptr(inv), _ptr(out),
+                _ptr(tables.table_blob()), n, row_elems, seg, 1.0 if scale is None else float(np.float32(scale)),
+                int(scale is not None))
+        if scaled is None:
+            rc = lib.gg_host_gather(int(qt), *args)
+        else:
+            sst, soffs, st, sblock = scaled
+            rc = lib.gg_host_gather_scaled(int(qt), int(st), *args, _ptr(sst), _ptr(soffs), sblock)
         if rc:
             raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
     return out
@@ -173,16 +199,26 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return gq.quantize(x, Q.BF16).view(np.uint16).reshape(x.shape)
 
 
+def _rows(staging: np.ndarray, offs: np.ndarray, nbytes: int) -> np.ndarray:
+    return staging[offs[:, None] + np.arange(nbytes)] if offs.size else np.zeros((0, nbytes), np.uint8)
+
+
 def reference_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None,
-                     layout="flat", n_layer=None) -> np.ndarray:
-    """What gather_rows must produce, from gguf.quants.dequantize and numpy (numpy arrays in, numpy out)."""
+                     layout="flat", n_layer=None, block_scales=None) -> np.ndarray:
+    """What gather_rows must produce, from gguf.quants.dequantize (float8: quants.fp8_lut) and numpy (numpy arrays
+    in, numpy out); block scales multiply each value once in float32, before `scale`."""
     qt, rb, seg = geometry(qtype, row_elems, layout, n_layer)
     row_elems = int(row_elems)
     staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
-    rows = staging[offs[:, None] + np.arange(rb)] if offs.size else np.zeros((0, rb), np.uint8)
-    f32 = quants.dequantize_rows(rows, qt, row_elems)
-    if scale is not None:
-        f32 = f32 * np.float32(scale)
+    f32 = quants.dequantize_rows(_rows(staging, offs, rb), qt, row_elems)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):    # inf, subnormal and NaN products are values
+        if block_scales is not None:
+            sst, soffs, st, sblock = _check_host_scales(block_scales, qt, row_elems, offs.size)
+            n_sc = -(-row_elems // sblock)
+            s = quants.dequantize_rows(_rows(sst, soffs, n_sc * quants.block_geometry(st)[1]), st, n_sc)
+            f32 = f32 * s[:, np.arange(row_elems) // sblock]
+        if scale is not None:
+            f32 = f32 * np.float32(scale)
     f32 = f32[inv.ravel()]
     name = arrays.dtype_name(dtype)
     if name == "float16":

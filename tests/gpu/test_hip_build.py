@@ -22,7 +22,7 @@ from gguf import quants as gq
 from gds_gather.gpu import host_kernels as hk
 from gds_gather.gpu import tables
 from gds_gather.model.synth import random_blocks
-from gds_gather.formats.quants import supported_types
+from gds_gather.formats.quants import row_types, supported_types
 
 Q = GGMLQuantizationType
 TYPES = supported_types()
@@ -51,10 +51,13 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HIP_PLATFORM": "amd"})
     assert res.returncode == 0, res.stderr[-4000:]
     assert "warning" not in res.stderr.lower(), res.stderr[-4000:]
-    want = len(TYPES) + 5                 # one per type, plus Q4_0's five other dtype/index combinations
+    want = len(row_types()) + 5           # one per row type, plus Q4_0's five other dtype/index combinations
     blob = obj.read_bytes()
     kernels = set(re.findall(rb"_Z9gg_gather\w+\.kd", blob))     # kernel descriptors exist only in device code
     assert len(kernels) == want, sorted(kernels)[:5]
+    scaled = set(re.findall(rb"_Z16gg_gather_scaled\w+\.kd", blob))
+    assert len(scaled) == 6, sorted(scaled)   # one per (float8 type, scale type) pair
+    kernels |= scaled
     for t in TARGETS:
         assert f"amdgcn-amd-amdhsa--{t}".encode() in blob, t
     bundler = _bundler()
@@ -69,7 +72,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
         co = tmp_path / f"{t}.co"
         subprocess.run([bundler, "--unbundle", "--type=o", f"--input={fat}", f"--targets={entry}",
                         f"--output={co}"], check=True)
-        per_target = set(re.findall(rb"_Z9gg_gather\w+\.kd", co.read_bytes()))
+        per_target = set(re.findall(rb"_Z(?:9gg_gather|16gg_gather_scaled)\w+\.kd", co.read_bytes()))
         assert per_target == kernels, t
 
 

@@ -26,10 +26,11 @@ from gds_gather.gpu import nvrtc
 from gds_gather.errors import BackendError, RowWidthError, UnsupportedTypeError
 from gds_gather.model.synth import random_blocks
 from gds_gather.planner import plan_rows
-from gds_gather.formats.quants import supported_types
+from gds_gather.formats.quants import row_types, supported_types
 
 Q = GGMLQuantizationType
-TYPES = supported_types()
+TYPES = supported_types()                 # the GGML types (gguf is their oracle); the float8 ones: test_fp8_kernels
+ALL_KERNELS = tuple(n for qt in row_types() for n in dg.kernel_names(qt))    # every instance, scaled ones too
 IDS = [t.name for t in TYPES]
 
 
@@ -275,7 +276,8 @@ def test_gather_rows_rejects_host_arrays():
 
 # ---- device compiles ----------------------------------------------------------------------------------------------
 def test_nvcc_sm90_compiles_every_kernel(tmp_path):
-    """nvcc -arch=sm_90 builds all 156 instances (26 types x 3 dtypes x 2 index types): ~8 s on 2 cores."""
+    """nvcc -arch=sm_90 builds all 210 instances (29 row types x 3 dtypes x 2 index types, and 2 float8 types x 3
+    scale types x 3 x 2 scaled ones): ~18 s on 2 cores."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: the sm_90 compile check of kernels/gather.cu cannot run")
@@ -289,25 +291,25 @@ def test_nvcc_sm90_compiles_every_kernel(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     assert "warning" not in res.stderr.lower(), res.stderr[-4000:]
     log = res.stderr + res.stdout
-    assert log.count("Compiling entry function") == 6 * len(TYPES)
+    assert log.count("Compiling entry function") == len(ALL_KERNELS) == 6 * len(row_types()) + 36
     assert "bytes spill stores" in log
     spills = [ln for ln in log.splitlines() if "spill" in ln and " 0 bytes spill stores, 0 bytes spill loads" not in ln]
     assert not spills, spills[:3]
-    print(f"nvcc sm_90, {6 * len(TYPES)} kernels: {time.perf_counter() - t0:.1f} s")
+    print(f"nvcc sm_90, {len(ALL_KERNELS)} kernels: {time.perf_counter() - t0:.1f} s")
 
 
 def test_nvrtc_compiles_every_kernel():
     """The NVRTC translation unit with its name expressions, as cupy.RawModule compiles it (skips without NVRTC)."""
     try:
         from cupy.cuda import compiler
-        prog = compiler._NVRTCProgram(tables.source(), "gather.cu",
-                                      name_expressions=[n for qt in TYPES for n in dg.kernel_names(qt)])
+        prog = compiler._NVRTCProgram(tables.source(), "gather.cu", name_expressions=list(ALL_KERNELS))
     except Exception as e:   # cupy absent, or libnvrtc not loadable
         pytest.skip(f"NVRTC not available here ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     # the options CuPy's RawModule ends up passing (it appends -ftz=true and the default execution space)
     _, mapping = prog.compile(nvrtc.NVRTC_OPTIONS + ("-ftz=true", "-arch=sm_90", "--device-as-default-execution-space"))
-    assert len(mapping) == 6 * len(TYPES)
-    assert all(v.startswith("_Z9gg_gather") for v in mapping.values())
+    assert len(mapping) == len(ALL_KERNELS)
+    assert all(v.startswith("_Z16gg_gather_scaled" if k.startswith("gg_gather_scaled") else "_Z9gg_gather")
+               for k, v in mapping.items())
 
 
 # ---- gather_rows' Python side, with a stand-in for cupy whose "kernel" is the host build ----------------------------
