@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -77,6 +78,8 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  arch           {d['arch'] or '?'}")
     print(f"  tensor         {d['tensor']}  {d['qtype']}  [{d['row_elems']}, {d['n_rows']}] (ggml order)")
     print(f"  rows           {d['n_rows']:,} rows x {d['row_elems']} elements = {d['row_bytes']} B/row")
+    if d["scales"]:
+        print(fit(f"  scales         {d['scales']}: value = float8 x scale (one float32 multiply)", " " * 17))
     if d["convert"]:
         print(f"  convert        {d['convert']}")
     print(f"  table          {human_bytes(d['table_bytes'])} at offset {d['data_offset']:,} "
@@ -126,8 +129,21 @@ def cmd_make_model(args, cfg: Config) -> int:
         raise GatherError("make-model needs a PRESET (or --hf KIND for a tiny transformers model)")
     if args.preset not in PRESETS:
         raise GatherError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
-    path = write_model(args.output, args.preset, qtype=args.qtype, rows=args.rows, seed=args.seed,
-                       progress=not args.quiet)
+    preset = PRESETS[args.preset]
+    if args.width is not None:
+        if not preset.is_ngram:
+            raise GatherError("--width applies to qwen4exp (a gemma row is n_layer x 256 elements)")
+        preset = dataclasses.replace(preset, n_embd_per_layer=args.width)
+    from .formats import quants
+    if args.qtype and quants.is_fp8(quants.qtype_of(args.qtype)):
+        from .model.checkpoint import write_fp8_checkpoint
+        path = write_fp8_checkpoint(args.output, preset, args.qtype, rows=args.rows, seed=args.seed,
+                                    scale_type=args.scales, scale_block=args.scale_block, progress=not args.quiet)
+    else:
+        if args.scales or args.scale_block != 32:
+            raise GatherError("--scales and --scale-block go with a float8 --qtype (F8_E4M3, F8_E5M2)")
+        path = write_model(args.output, preset, qtype=args.qtype, rows=args.rows, seed=args.seed,
+                           progress=not args.quiet)
     print(path)
     return 0
 
@@ -135,8 +151,9 @@ def cmd_make_model(args, cfg: Config) -> int:
 def _make_hf_model(args) -> int:
     """A tiny random transformers checkpoint with a byte-level tokenizer, written into a new or empty directory."""
     from pathlib import Path
-    if args.preset or args.qtype or args.rows:
-        raise GatherError("--hf makes a tiny transformers model of its own shape: no PRESET, --qtype or --rows")
+    if args.preset or args.qtype or args.rows or args.width or args.scales:
+        raise GatherError("--hf makes a tiny transformers model of its own shape: no PRESET, --qtype, --rows, "
+                          "--width or --scales")
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GatherError(f"{out}: exists and is not an empty directory; --hf writes a new model directory")
@@ -212,8 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a directory; needs the hf extra)")
     s.add_argument("-o", "--output", required=True,
                    help="the GGUF file to write (replaced atomically); with --hf a new or empty directory")
-    s.add_argument("--qtype", help="GGML type of the table (default: the preset's)")
+    s.add_argument("--qtype", help="GGML type of the table (default: the preset's); F8_E4M3 or F8_E5M2 write a "
+                                   "safetensors checkpoint directory instead (GGUF has no float8 type)")
     s.add_argument("--rows", type=int_in(1, MAX_ROWS), help="number of table rows (default: the real model's)")
+    s.add_argument("--width", type=int_in(1, 1 << 16),
+                   help="qwen4exp: elements per row (default 160; 256 for an Engram-like 256 B float8 row)")
+    s.add_argument("--scales", choices=("F8_E8M0", "F32", "BF16"),
+                   help="float8 --qtype: write scales beside the table, one per --scale-block elements of a row")
+    s.add_argument("--scale-block", type=int_in(1, 1 << 16), default=32,
+                   help="elements per scale along a row (default 32, OCP MX's block)")
     s.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the random weights (default 0)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_make_model)

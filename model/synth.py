@@ -150,7 +150,7 @@ def shard_paths(path, count: int) -> list[Path]:
     return [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
-def _model_kv(preset: Preset, rows: int) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+def model_kv(preset: Preset, rows: int) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
     """The architecture metadata llama.cpp reads for `preset`."""
     a, u32 = preset.arch, GGUFValueType.UINT32
     kv = [(f"{a}.block_count", preset.n_layer, u32, None),
@@ -272,7 +272,7 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
     for final in finals:
         check_output(final)
     check_free_space(finals[-1], quants.row_bytes(qt, width) * rows + _HEADER_ALLOWANCE * split)
-    model_kv = _model_kv(preset, rows)
+    kvs = model_kv(preset, rows)
     rng = np.random.default_rng([seed, 1 << 32])   # dummy tensors: a stream no table chunk uses
     with contextlib.ExitStack() as stack:
         temps = [stack.enter_context(atomic_output(final)) for final in finals]
@@ -281,7 +281,7 @@ def write_model(path, preset, *, qtype=None, rows: int | None = None, seed: int 
             if i == 0:
                 w.add_name(f"gds-gather synthetic {preset.name}")
                 w.add_quantization_version(2)
-                for key, val, vtype, sub in model_kv:
+                for key, val, vtype, sub in kvs:
                     w.add_key_value(key, val, vtype, sub)
             if split > 1:
                 _add_split_kv(w, i, split, split)

@@ -14,6 +14,7 @@ gather_report's.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -39,10 +40,12 @@ PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts t
 
 
 def _gather_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--file", action="append", help="a GGUF with a PLE table (repeatable; default: build --tables)")
+    p.add_argument("--file", action="append",
+                   help="a GGUF or safetensors checkpoint with a PLE table (repeatable; default: build --tables)")
     p.add_argument("--tables", default="qwen4exp,gemma4-e4b",
-                   help="tables to build and bench: qwen4exp (IQ4_NL, 90 B rows, 16 rows per token), gemma4-e4b "
-                        "(Q5_K, 7,392 B rows, one per token); default both")
+                   help="tables to build and bench: qwen4exp (IQ4_NL, 90 B rows, 16 rows per token), qwen4exp-fp8 "
+                        "(the same rows as F8_E4M3, 160 B, a safetensors checkpoint), gemma4-e4b (Q5_K, 7,392 B rows, "
+                        "one per token); default qwen4exp,gemma4-e4b")
     p.add_argument("--rows", type=ROWS, help="rows of the qwen4exp-geometry table (default 24,000,000 = 2.16 GB; "
                                              "--quick 200,000)")
     p.add_argument("--gemma-rows", type=ROWS, help="rows of the gemma4-e4b table (default 262,144 = 1.94 GB, the "
@@ -85,13 +88,24 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
 
 
-def _built_table(directory: Path, preset: str, rows: int) -> Path:
-    from ..model.synth import write_model
-    path = Path(directory) / f"{preset}-{rows}.gguf"
-    if not path.exists():
+def _built_table(directory: Path, preset: str, rows: int, qtype: str | None = None) -> Path:
+    """The bench table of `preset` with `rows` rows, built once: a GGUF, or for a float8 qtype a safetensors
+    checkpoint directory (model/checkpoint.py)."""
+    if qtype is None:
+        from ..model.synth import write_model
+        path = Path(directory) / f"{preset}-{rows}.gguf"
+        build = functools.partial(write_model, path, preset, rows=rows, progress=True)
+    else:
+        from ..model.checkpoint import write_fp8_checkpoint
+        path = Path(directory) / f"{preset}-{rows}-{qtype.lower()}"
+        build = functools.partial(write_fp8_checkpoint, path, preset, qtype, rows=rows, progress=True)
+    done = path / "model.safetensors" if qtype else path
+    if not done.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        if qtype is not None and path.exists():
+            shutil.rmtree(path)         # an interrupted build: its directory holds no model.safetensors
         print(f"building {path} (once, not timed)", flush=True)
-        write_model(path, preset, rows=rows, progress=True)
+        build()
     return path
 
 
@@ -296,10 +310,14 @@ def run_gather(a, cfg: Config) -> dict:
         for name in [x.strip() for x in a.tables.split(",") if x.strip()]:
             if name == "qwen4exp":
                 tables.append(("qwen4exp geometry", _built_table(made, "qwen4exp", a.rows)))
+            elif name == "qwen4exp-fp8":
+                tables.append(("qwen4exp geometry, F8_E4M3 (160 B rows)",
+                               _built_table(made, "qwen4exp", a.rows, "F8_E4M3")))
             elif name == "gemma4-e4b":
                 tables.append(("gemma4-e4b geometry", _built_table(made, "gemma4-e4b", a.gemma_rows)))
             else:
-                raise ValueError(f"--tables: qwen4exp and/or gemma4-e4b, got {name!r} (use --file for others)")
+                raise ValueError(f"--tables: qwen4exp, qwen4exp-fp8 and/or gemma4-e4b, got {name!r} (use --file for "
+                                 f"others)")
     facts = bench_facts(tables[0][1], cfg)
     ahead = ("direct is handed the next batch's ids before each read and reads them while it reads the current "
              "batch (Table.prefetch, Config.prefetch=1; the baselines read one batch at a time)" if cfg.prefetch

@@ -94,6 +94,22 @@ def generate_once(model, ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor
     return (time.perf_counter() - t0) / n, out[0, ids.shape[1]:].cpu()
 
 
+def _scaled_table_values(module, model_dir: Path, cfg: Config) -> None:
+    """transformers loads a scaled float8 table by casting its bytes, without its scales: the resident side gets the
+    table's values instead (value x scale, gds_gather's dequantization, chunk by chunk), so both sides hold the same
+    model."""
+    from ..table import open_table
+    with open_table(model_dir, config=cfg) as t:
+        if t.scales is None:
+            return
+        w = module.weight
+        step = max(1, (64 << 20) // (4 * t.row_elems))
+        with torch.no_grad():
+            for a in range(0, min(t.n_rows, w.shape[0]), step):
+                ids = np.arange(a, min(a + step, w.shape[0]))
+                w[a:a + ids.size].copy_(torch.from_numpy(t.gather(ids)))
+
+
 def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=None, n_tokens: int = 2048,
                    ubatch: int = 512, backend: str | None = None, dtype: str | None = None, repeat: int = 5,
                    generate: int = 0, device: str | None = None, progress: bool = True, log=print) -> dict:
@@ -121,7 +137,8 @@ def run_hf_prefill(model_dir, table=None, cfg: Config | None = None, *, prompt=N
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto", local_files_only=True)
     model = model.to(device).eval()
-    _, tcfg = per_layer_embedding(model)
+    module, tcfg = per_layer_embedding(model)
+    _scaled_table_values(module, model_dir, cfg)
     tok = hf_tokenizer(model_dir)
     n_vocab = min(int(tcfg.vocab_size), int(tcfg.vocab_size_per_layer_input))
     tokens = prompt_tokens(n_vocab, (), prompt, n_tokens, tokenizer=tok)

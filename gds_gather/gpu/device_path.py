@@ -17,6 +17,7 @@ import numpy as np
 from . import accel as accel_mod
 from . import arrays
 from . import destinations
+from .dequant import BlockScales
 from ..backends import choose_device
 from ..errors import BackendError, StagingCapacityError
 from ..io.readers import GDS_ALIGN
@@ -121,7 +122,21 @@ class DevicePath:
         plan, staging, offs = self.fetch_ids(ids, backend, stream, host_ids)
         inv = self.accel.ids_like(plan.inverse.reshape(plan.shape), ids, stream)
         t = self.table
-        return self.accel.gather(staging, offs, inv, t.qtype, t.row_elems, dtype=dtype, stream=stream)
+        return self.accel.gather(staging, offs, inv, t.qtype, t.row_elems, dtype=dtype, stream=stream,
+                                 block_scales=self.block_scales(plan.unique_rows, ids, stream))
+
+    def block_scales(self, rows, like, stream):
+        """The scales beside the unique `rows` on the device (dequant.BlockScales; None for an unscaled table):
+        read on the host (Table.scale_rows: small, row-cached) and uploaded as they are stored, one compact row of
+        scales per table row, of `like`'s kind."""
+        t = self.table
+        raw = t.scale_rows(rows)
+        if raw is None:
+            return None
+        a, sp = self.accel, t.scales
+        offs = np.arange(raw.shape[0], dtype=np.int64) * raw.shape[1]
+        return BlockScales(a.ids_like(np.ascontiguousarray(raw).reshape(-1), like, stream),
+                           a.ids_like(offs, like, stream), sp.kernel_type, sp.block)
 
     def _fetch(self, plan: ReadPlan, name: str, mode: str, s):
         """The plan through the (name, mode) destination's one slot, on the accel stream `s`, which the caller

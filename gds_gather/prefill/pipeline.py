@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..formats import quants
 from ..backends import choose_device, resolve
 from ..config import Config
 from ..errors import BackendError
+from ..gpu.dequant import BlockScales
 from ..gpu.destinations import Spec, align_for, build, mode_for
 from ..gpu.graph import refused_in
 from ..gpu.schedule import graph_mode, run_ubatches, staging_bound_for
@@ -136,6 +136,7 @@ class GpuPrefill:
         with a.using(self.stream):      # allocated and zeroed in the order of the stream that uses them
             self.tokens_d = a.zeros(ubatch, torch.int64)
             self.inv_d = a.zeros(self.N, torch.int32)
+        self.scales = self._scale_buffers(table)
         a.order(self.stream)            # the trunk's weights were written on the current (default) stream
         self.flags = None
         if self.graph:
@@ -154,6 +155,18 @@ class GpuPrefill:
         self.g_events: dict = {}
         self.stats = Stats()
         self.how = f"{self.backend} -> {self.dest.how}; {self.graph_why}"
+
+    def _scale_buffers(self, table):
+        """A scaled float8 table's per-slot scales: pinned host rows (filled by _stage, one compact row of scales
+        per unique row), their device copy and its fixed offsets (the kernel's block_scales); None unscaled."""
+        sp, a = table.scales, self.accel
+        if sp is None:
+            return None
+        nb = self.N * sp.kernel_row_bytes
+        pins = [a.pinned_array(nb, np.uint8) for _ in range(2)]
+        dev, offs = a.device_array(nb, np.uint8, self.stream), a.device_array(self.N, np.int64, self.stream)
+        a.upload(offs, np.arange(self.N, dtype=np.int64) * sp.kernel_row_bytes, self.stream)
+        return pins, BlockScales(dev, offs, sp.kernel_type, sp.block)
 
     @property
     def readers(self) -> list:
@@ -179,8 +192,12 @@ class GpuPrefill:
         a.copy(self.tokens_d[:n], self.tokens_pin[s][:n], st)
         a.copy(self.inv_d[:N], self.inv_pin[s][:N], st)
         staging, offs = self.dest.inputs(s, N, st)
+        bs = None
+        if self.scales is not None:
+            pins, bs = self.scales
+            a.h2d(bs.sstaging, pins[s], pins[s].nbytes, st)
         rows = a.gather(staging, offs, self.inv_d[:N], t.qtype, t.row_elems, dtype=self.dtype, stream=st,
-                        **self.kargs)
+                        block_scales=bs, **self.kargs)
         self.dest.after(s, st)
         if wait:
             self.flags.write(st, s, 0)
@@ -233,6 +250,9 @@ class GpuPrefill:
         c = time.perf_counter()
         self.tokens_pin[s].numpy()[:n] = tok
         self.inv_pin[s].numpy()[:N] = plan.inverse
+        if self.scales is not None:
+            sc = t.scale_rows(plan.unique_rows).reshape(-1)
+            self.scales[0][s][:sc.size] = sc
         st.tokens += n
         st.ple_rows += N
         st.unique_rows += plan.n_unique
@@ -270,6 +290,8 @@ class GpuPrefill:
         """Zero the slot's pinned tokens and indices: a released step then reads row 0 at offset 0 (in bounds)."""
         for buf in (self.tokens_pin[s], self.inv_pin[s]):
             buf.numpy()[:] = 0
+        if self.scales is not None:
+            self.scales[0][s][:] = 0
         self.dest.scrub(s)
 
     def done(self, k: int, s: int) -> None:
@@ -439,7 +461,7 @@ class CpuPrefill:
 
     def _consume(self, tok, plan, raw, t_index, t_io, outs, collect) -> None:
         torch, t, st = self.torch, self.t, self.stats
-        rows = quants.dequantize_rows(raw, t.qtype, t.row_elems)[plan.inverse]
+        rows = t.dequantize(raw, plan.unique_rows)[plan.inverse]
         st.tokens += tok.size
         st.ple_rows += plan.n_ids
         st.unique_rows += plan.n_unique

@@ -62,7 +62,7 @@ def test_device_destinations_on_the_host_accel(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("args, words", [
     (["--backends", "direct,nvme"], "unknown backend 'nvme'; known: direct, pread, mmap, readahead, resident, "
                                     "gpu:direct, gpu:gds"),
-    (["--tables", "llama"], r"--tables: qwen4exp and/or gemma4-e4b, got 'llama' \(use --file for others\)"),
+    (["--tables", "llama"], r"--tables: qwen4exp, qwen4exp-fp8 and/or gemma4-e4b, got 'llama' \(use --file for others\)"),
 ])
 def test_bad_arguments(tmp_path, args, words):
     with pytest.raises(ValueError, match=words):
