@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ..config import Config
 from ..io import measure, native
-from ..units import fit
+from ..units import fit, human_bytes, parse_size
 from .gather_passes import (NEW_PROCESS, PASSES, backend_passes, new_process_passes, open_for, reader_how,
                             warm_passes)
+from . import memcap
 from .gather_report import bs_name, pass_medians, plot_gather, print_ratios
 from .report import (COUNT, ROWS, TOKENS, UBATCH, GiB, HOST_BACKENDS, apply_cache_option, bench_facts, block_device,
                      cold_method, data_dir, go_cold, out_dir, print_header, write_result)
@@ -37,6 +43,14 @@ PRIME_NOTE = ("cold: an untimed priming round (one cold pass per backend) puts t
               "disk's host cache) in the same state for every timed round, and the backends take turns going first "
               "(round r starts with backend r); resident, which loads and frees the whole table, goes last in every "
               "round")
+
+
+def _cap_size(text: str) -> int:
+    """An argparse type: a memory cap of at least 16 MiB."""
+    v = parse_size(text)
+    if v < 16 << 20:
+        raise argparse.ArgumentTypeError(f"a memory cap of at least 16M, got {text!r}")
+    return v
 
 
 def _gather_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +99,10 @@ def _gather_args(p: argparse.ArgumentParser) -> None:
                    help="direct reads one batch at a time as the baselines do (Config.prefetch=0); by default each "
                         "pass hands the next batch's ids to Table.prefetch before a read, as a prefill does, and "
                         "direct reads them while it reads the current one")
+    p.add_argument("--memory-limit", type=_cap_size, metavar="SIZE",
+                   help="run the passes in a memory cgroup of SIZE (e.g. 512M; cgroup v1 or v2, refused where none can "
+                        "be made): each pass's peak memory and the page cache charged to it are reported, and a pass "
+                        "killed for memory is reported as such while the others' results are still written")
     p.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -209,6 +227,8 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
             warm_path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     out["passes"] = passes = passes + newp
+    out["died"] = [{"backend": b, "pass": p, "why": r["died"]} for (b, p), rs in runs.items() for r in rs
+                   if "died" in r]
     med = pass_medians(runs, backends, passes, hows, a)
     out["runs"].extend(med.values())
     if "cold" in passes and not a.no_fio:
@@ -226,6 +246,50 @@ def _gather_table(path: Path, label: str, a, cfg: Config, backends: list[str], f
         out["fio_warm"] = _fio_tmpfs(path, a, _direct_threads(path, cfg))
     print_ratios(out, med, geo, a)
     return out
+
+
+def run_capped(a, cfg: Config) -> dict:
+    """The bench in a new process inside a memory cgroup of a.memory_limit bytes (memcap.py); this process stays
+    outside and writes what the child could not when it was killed: the passes it finished, and the one it died in."""
+    cap = memcap.MemoryCap.make(a.memory_limit)
+    print(f"memory cap: {human_bytes(a.memory_limit)} ({cap.kind} {cap.dir}); the bench runs in a new process inside "
+          f"it, its new-process passes too", flush=True)
+    inner = argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v) and k != "memory_limit"})
+    scratch = Path(tempfile.mkdtemp(prefix="gds-gather-capped-"))
+    try:
+        job, log = scratch / "job.pickle", scratch / "passes.jsonl"
+        job.write_bytes(pickle.dumps((inner, cfg)))
+        env = dict(os.environ, **cap.env(), **{memcap.PASSLOG: str(log)})
+        rc = subprocess.run([sys.executable, "-m", "gds_gather.benches.gather_capped", str(job)], env=env).returncode
+        done = memcap.read_log(log)
+        kills = cap.oom_kills()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        cap.close()
+    cap_fields = {"memory_limit": a.memory_limit, "cgroup": cap.kind, "oom_kills": kills}
+    if rc == 0:
+        path = out_dir(a, cfg) / (a.json_name or "bench_gather.json")
+        result = json.loads(path.read_text())
+        result.update(cap_fields)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"memory cap: every pass completed; {kills} process(es) killed for memory (new-process passes that died "
+              f"are listed above)")
+        return result
+    finished = [r for r in done if r["state"] == "done"]
+    started = [r for r in done if r["state"] == "started"]
+    last = started[-1] if len(started) > len(finished) else None
+    why = (f"killed by signal {-rc}" if rc < 0 else f"exit {rc}") + (f", {kills} OOM kill(s) in the cgroup" if kills
+                                                                        else "")
+    print(fit(f"memory cap: the bench process died ({why})" + (f" in the {last['pass']} pass of {last['backend']}"
+                                                                 if last else "") +
+              f"; {len(finished)} pass(es) had finished:", "   "))
+    for r in finished:
+        run = r["run"]
+        line = (f"died: {run['died']}" if "died" in run else
+                f"{run['rows_per_s']:,.0f} rows/s, peak {run.get('peak_MiB') or 0:,.0f} MiB")
+        print(f"  {r['backend']:<11} {r['pass']:<9} {line}")
+    result = {"bench": "gather", **cap_fields, "died": {"why": why, "in": last}, "passes_done": finished}
+    return write_result("gather", result, a, out_dir(a, cfg), lambda *_: None)
 
 
 def prime_round(path: Path, backends: list[str], a, cfg, trace, stream) -> dict:
@@ -281,6 +345,8 @@ def default_backends(cfg: Config) -> list[str]:
 
 
 def run_gather(a, cfg: Config) -> dict:
+    if getattr(a, "memory_limit", None):
+        return run_capped(a, cfg)
     q = a.quick
     a.rows = (200_000 if q else 24_000_000) if a.rows is None else a.rows
     a.gemma_rows = (4096 if q else 262_144) if a.gemma_rows is None else a.gemma_rows

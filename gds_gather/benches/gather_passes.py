@@ -16,6 +16,7 @@ import numpy as np
 from ..cache import hotrows
 from ..config import Config
 from ..io import measure
+from . import memcap
 from .report import MiB, go_cold
 
 PASSES = ("cold", "again", "warm")
@@ -88,6 +89,7 @@ def gather_pass(t, b: str, trace, stream=None) -> dict:
     batch, the pass hands the next batch's ids to Table.prefetch, as a prefill that knows its next ubatch does;
     only the engine's backends act on it (the baselines read one batch at a time; Config.prefetch=0: none)."""
     path = t.path
+    mem = memcap.PassMemory()           # (a capped bench: the cgroup's peak from here)
     st0 = table_stats(t)
     b0, res0, flt0 = _bytes_read(t), measure.resident_bytes(path), measure.major_faults()
     lat, useful, n_ids, uniq, wins = [], 0, 0, 0, 0
@@ -116,6 +118,7 @@ def gather_pass(t, b: str, trace, stream=None) -> dict:
          "p50_ms": measure.percentile_ms(lat, 50), "p99_ms": measure.percentile_ms(lat, 99)}
     r.update(amplification_fields(got, read, useful))
     r["row_cache"] = stats_delta(st0, table_stats(t))
+    r.update(mem.fields())
     return r
 
 
@@ -162,11 +165,16 @@ def backend_passes(path: Path, b: str, a, cfg, trace, stream, passes) -> dict:
         else:
             how = go_cold(t.path, a.drop_caches, (t.data_offset, t.n_bytes))   # after the reader was opened
             left = measure.resident_bytes(t.path, t.data_offset, t.n_bytes)
+            memcap.log_pass(b, "cold", None)
             r = gather_pass(t, b, trace, stream)
             r.update(cold_how=how, cold_left_MiB=left / MiB, row_cache_emptied=emptied)
+            memcap.log_pass(b, "cold", r)
             out["cold"] = [r]
         if "again" in passes:
-            out["again"] = [gather_pass(t, b, trace, stream) for _ in range(a.samples)]
+            for _ in range(a.samples):
+                memcap.log_pass(b, "again", None)
+                out.setdefault("again", []).append(r := gather_pass(t, b, trace, stream))
+                memcap.log_pass(b, "again", r)
     finally:
         t.close()
     return out
@@ -183,23 +191,30 @@ def warm_passes(warm_path: Path, order: list[str], a, cfg, trace, stream) -> dic
             warm_page_cache(warm_path, cfg, trace)
         for b in order:
             empty_row_cache()
+            memcap.log_pass(b, "warm", None)
             with open_for(warm_path, cfg, b, stream) as t:
                 before = measure.resident_bytes(t.path)
                 r = gather_pass(t, b, trace, stream)
             r["page_cache_before_MiB"] = before / MiB
+            memcap.log_pass(b, "warm", r)
             out.setdefault(b, []).append(r)
     return out
 
 
 def child_pass(path: Path, b: str, trace_file: Path, cfg: Config, hot_dir: Path) -> dict:
     """One pass of backend b over the trace in a NEW process (python -m gds_gather.benches.gather_child): its engine
-    start-up (open + one row) is off the clock, its hot-row files live in hot_dir. Returns the pass's figures."""
+    start-up (open + one row) is off the clock, its hot-row files live in hot_dir. Returns the pass's figures, or
+    {"backend": b, "died": why} where the process did not finish (killed for memory, an error): the bench goes on."""
     cmd = [sys.executable, "-m", "gds_gather.benches.gather_child", str(path), b, str(trace_file), str(hot_dir),
            str(cfg.cache_bytes), str(cfg.queue_depth)]
     env = dict(os.environ, GDS_GATHER_PREFETCH=str(cfg.prefetch))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
-        raise RuntimeError(f"bench child ({' '.join(cmd[2:5])}) failed: {r.stderr.strip().splitlines()[-1:]}")
+        why = (f"killed by signal {-r.returncode}" + (" (SIGKILL: the OOM killer, where memory is capped)"
+                                                       if r.returncode == -9 else "") if r.returncode < 0
+               else f"exit {r.returncode}: {' '.join(r.stderr.strip().splitlines()[-1:])}")
+        print(f"  {b}: a new-process pass died ({why})", flush=True)
+        return {"backend": b, "died": why}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -214,7 +229,9 @@ def new_process_passes(path: Path, b: str, a, cfg: Config, trace_file: Path, hot
         if p == "newproc":
             shutil.rmtree(hotrows.directory(hot_dir), ignore_errors=True)
         before = measure.resident_bytes(path)
+        memcap.log_pass(b, p, None)
         out[p] = r = child_pass(path, b, trace_file, cfg, hot_dir)
         r["page_cache_before_MiB"] = before / MiB
         r["hot_file_MiB"] = sum(f.stat().st_size for f in hotrows.directory(hot_dir).glob("*.rows")) / MiB
+        memcap.log_pass(b, p, r)
     return out

@@ -81,7 +81,13 @@ def pass_medians(runs: dict, backends: list[str], passes: list[str], hows: dict,
         for b in backends:
             if (b, p) not in runs:
                 continue
-            r = median_run(runs[(b, p)], "rows_per_s")
+            died = [r["died"] for r in runs[(b, p)] if "died" in r]
+            alive = [r for r in runs[(b, p)] if "died" not in r]
+            if died:
+                print(fit(f"  {b:<11} {p:<9} {len(died)} of {len(runs[(b, p)])} run(s) died: {died[0]}", "      "))
+            if not alive:
+                continue
+            r = median_run(alive, "rows_per_s")
             r["ns_per_gather"] = 1e9 / r["rows_per_s"]        # consistent with the median rows/s
             r.update(cache=p, how=hows[b])
             med[(b, p)] = r
@@ -89,6 +95,10 @@ def pass_medians(runs: dict, backends: list[str], passes: list[str], hows: dict,
             line = cache_line(r.get("row_cache"))
             if line:
                 print(line)
+            if r.get("peak_MiB") is not None:
+                print(f"               memory: peak {r['peak_MiB']:,.0f} MiB "
+                      f"({'this pass' if r.get('peak_since') == 'pass' else 'since the cap was made'}), page cache "
+                      f"charged {r.get('cache_charged_MiB') or 0:,.0f} MiB (the cgroup, every process in it)")
             if p == "cold" and (r.get("row_cache") or {}).get("rows_from_cache") and not r.get("row_cache_emptied"):
                 print(f"               NOTE: the cold pass served {r['row_cache']['rows_from_cache']:,.0f} rows from "
                       "a row cache this bench could not empty first: not fully cold")

@@ -78,8 +78,8 @@ def refresh() -> None:
         _CACHED.clear()
 
 
-def read(root: Path) -> Limits:
-    """Read the limits now from root/proc/self/cgroup, root/sys/fs/cgroup/... and root/proc/meminfo."""
+def _own_paths(root: Path) -> tuple[str | None, str | None]:
+    """(v1 memory cgroup path, v2 cgroup path) of this process from root/proc/self/cgroup (None where absent)."""
     v1_path = v2_path = None
     for line in _text(root / "proc/self/cgroup").splitlines():
         hid, _, rest = line.partition(":")
@@ -88,6 +88,24 @@ def read(root: Path) -> Limits:
             v1_path = path
         elif hid == "0" and controllers == "":
             v2_path = path
+    return v1_path, v2_path
+
+
+def own_cgroup(root: Path = Path("/")) -> tuple[str, Path] | None:
+    """("v1" or "v2", the directory of this process's memory cgroup), or None without one (a v1 memory hierarchy
+    controls memory where it is mounted; a path missing under the mount reads as the mount's root, as in _walk)."""
+    v1_path, v2_path = _own_paths(root)
+    for kind, path, mount in (("v1", v1_path, root / "sys/fs/cgroup/memory"), ("v2", v2_path, root / "sys/fs/cgroup")):
+        if path is None or not mount.is_dir() or (kind == "v2" and not (mount / "cgroup.controllers").exists()):
+            continue
+        d = mount.joinpath(*[p for p in path.strip("/").split("/") if p])
+        return kind, d if d.is_dir() else mount
+    return None
+
+
+def read(root: Path) -> Limits:
+    """Read the limits now from root/proc/self/cgroup, root/sys/fs/cgroup/... and root/proc/meminfo."""
+    v1_path, v2_path = _own_paths(root)
     limit = usage = where = None
     if v1_path is not None:         # a v1 memory hierarchy controls memory (a controller binds to one hierarchy)
         limit, usage, where = _walk(root / "sys/fs/cgroup/memory", v1_path, "memory.limit_in_bytes",
