@@ -28,8 +28,9 @@
 #                    loads one of each and says whether CuPy's disk cache spared it the compile (CuPy reuses it for
 #                    modules with name_expressions only in its newer releases). Without a GPU: NVRTC "skipped: no
 #                    GPU", the host build and native helpers still built. Its parts: $WORK/compile.json -> summary.
-#   test-kernels 55  tests/gpu/test_kernels_gpu.py and test_fp8_kernels.py: every kernel exact against the reference
-#                    on the device (the float8 ones, scaled or not, against the bit-level oracle)
+#   test-kernels 55  tests/gpu/test_kernels_gpu.py, test_fp8_kernels.py and test_fp4_kernels.py: every kernel exact
+#                    against the reference on the device (the float8 and NVFP4 ones, scaled or not, against the
+#                    bit-level oracles)
 #   test-device  50  tests/gpu/test_device_gpu.py but the fault tests and the per-type Table sweep: every backend and
 #                    destination (eager) with values, streams, close, refusals
 #   test-faults  45  the read-error-mid-prefill (fault path) tests
@@ -101,7 +102,7 @@ cap() { awk -v n="$1" '$1 == n {print $2}' <<<"$CAPS"; }
 
 # The test steps, one a line: NAME|pytest arguments separated by ';' (files, and -k where a file is split). The
 # first run's matrix: what only a GPU can show. Gpu tests in none of them are listed in the summary, not run.
-TEST_STEPS="test-kernels|tests/gpu/test_kernels_gpu.py;tests/gpu/test_fp8_kernels.py
+TEST_STEPS="test-kernels|tests/gpu/test_kernels_gpu.py;tests/gpu/test_fp8_kernels.py;tests/gpu/test_fp4_kernels.py
 test-device|tests/gpu/test_device_gpu.py;-k;not read_error and not every_type
 test-faults|tests/gpu/test_device_gpu.py;-k;read_error
 test-prefill|tests/prefill/test_prefill.py;-k;(qwen4exp and not evicting) or per_layer_inputs"
@@ -162,7 +163,8 @@ from gds_gather.gpu import kernel_sources
 repo = os.path.realpath(os.environ["REPO"])
 where = os.path.realpath(gds_gather.__file__)
 assert where.startswith(repo + os.sep), f"gds_gather comes from {where}, not the checkout {repo}"
-n = {name: len(kernel_sources.source(name)) for name in ("copy.cu", "gather.cu", "dequant.cuh", "host_check.cu")}
+n = {name: len(kernel_sources.source(name))
+     for name in ("copy.cu", "gather.cu", "dequant.cuh", "float8.cuh", "host_check.cu")}
 print("gds_gather from", where, "| gds_gather.model from", os.path.dirname(gds_gather.model.synth.__file__))
 print("kernel sources (chars):", n)
 EOF
@@ -241,7 +243,7 @@ def nvrtc_dequant():
     import cupy as cp
     from gds_gather.gpu import dequant as dg
     from gds_gather.formats.quants import row_types
-    types = list(row_types())       # the GGML types and the float8 ones (whose modules hold the scaled kernels too)
+    types = list(row_types())       # GGML, float8 and float4 types (the modules of the scaled ones hold those kernels)
     threads = max(1, int(os.environ.get("GPU_CHECK_COMPILE_THREADS", "4")))
     errors, times = {}, compile_s
 

@@ -4,7 +4,9 @@
 //     template <int T> gg_dq8(const uint8_t* blk, int i, const uint8_t* tab, float* y)
 // writes elements [8*i, 8*i + 8) of the block at `blk` (i in [0, QK/8)). A GPU thread calls it once per
 // 8 outputs; the host check loops i over the block. Float types (F32/F16/BF16 and the float8 types: "blocks" of
-// one element) use gg_dq1<T>(p) instead.
+// one element) use gg_dq1<T>(p) instead. The small-float types (float8 elements; E2M1 ones: MXFP4, NVFP4, packed
+// F4_E2M1) are decoded in float8.cuh, which builds on this file (gather.cu includes both; tables.py assembles the
+// NVRTC unit as dequant.cuh, float8.cuh, gather.cu).
 //
 // Every value is computed with gguf.quants' float32 operation order (gguf-py/gguf/quants.py
 // dequantize_blocks), so host and device results are bit-identical to gguf.quants.dequantize:
@@ -16,10 +18,9 @@
 //   * subnormals: only MXFP4 (e8m0 exponent 0 or 1), the block scales and the output scale (gather.cu) can meet
 //     them, and those products go through gg_mul, which is IEEE on the device even when CuPy compiles with
 //     -ftz=true.
-// fp16, bf16, e8m0, ue4m3 fields and float8 elements are decoded by bit manipulation (the same code on host and
-// device).
+// fp16 and bf16 fields are decoded by bit manipulation (the same code on host and device), as float8.cuh's are.
 //
-// Lookup tables (IQ grids, ksigns, kvalues, IQ1 deltas) are not in this file: gds_gather.gpu.dequant builds
+// Lookup tables (IQ grids, ksigns, kvalues, IQ1 deltas) are not in this file: gds_gather.gpu.tables builds
 // one byte blob from gguf.quants at load time and defines GG_OFF_<NAME> (byte offset of each table in it).
 #pragma once
 #define GG_DEQUANT_INCLUDED 1
@@ -59,10 +60,12 @@ typedef unsigned long long uint64_t;
 
 // ---- row types: X(name, type id, elements per block, bytes per block) --------------------------------------
 // GGML types: ids and geometry are gguf.GGML_QUANT_SIZES facts; tests check them against the installed gguf.
-// The float8 types (one byte per element) carry ids GGML does not use: gds_gather.formats.quants.FP8_IDS.
+// The float8 types (one byte per element) and F4_E2M1 (two elements per byte; "blocks" of 8 elements in 4 bytes,
+// so the gather decodes them with gg_dq8) carry ids GGML does not use: gds_gather.formats.quants.FP8_IDS,
+// FP4_IDS.
 #define GG_TYPE_LIST(X)                                                                                      \
     X(F32, 0, 1, 4) X(F16, 1, 1, 2) X(BF16, 30, 1, 2)                                                        \
-    X(F8_E4M3, 1000, 1, 1) X(F8_E5M2, 1001, 1, 1) X(F8_E8M0, 1002, 1, 1)                                    \
+    X(F8_E4M3, 1000, 1, 1) X(F8_E5M2, 1001, 1, 1) X(F8_E8M0, 1002, 1, 1) X(F4_E2M1, 1003, 8, 4)             \
     X(Q4_0, 2, 32, 18) X(Q4_1, 3, 32, 20) X(Q5_0, 6, 32, 22) X(Q5_1, 7, 32, 24) X(Q8_0, 8, 32, 34)           \
     X(Q2_K, 10, 256, 84) X(Q3_K, 11, 256, 110) X(Q4_K, 12, 256, 144) X(Q5_K, 13, 256, 176)                   \
     X(Q6_K, 14, 256, 210) X(IQ2_XXS, 16, 256, 66) X(IQ2_XS, 17, 256, 74) X(IQ3_XXS, 18, 256, 98)             \
@@ -196,43 +199,12 @@ GG_HD float gg_half(uint32_t h) {
     return gg_f32(o | ((h & 0x8000u) << 16));
 }
 GG_HD float gg_bf16(uint32_t h) { return gg_f32(h << 16); }
-// MXFP4 shared exponent: 2^(e-127) * 0.5 (gguf MXFP4.e8m0_to_fp32_half, ggml_e8m0_to_fp32_half).
-GG_HD float gg_e8m0_half(uint32_t e) { return gg_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23); }
-// NVFP4 sub-block scale: unsigned e4m3 (bias 7) * 0.5; 0 and 0x7F decode to 0 (gguf NVFP4.ue4m3_to_fp32).
-GG_HD float gg_ue4m3_half(uint32_t x) {
-    if (x == 0 || x == 0x7f) return 0.0f;
-    const uint32_t e = (x >> 3) & 15, m = x & 7;
-    if (e == 0) return gg_i2f((int)m) * 0.0009765625f;       // m * 2^-9 * 0.5, exact
-    return gg_f32(((e + 119) << 23) | (m << 20));      // (1 + m/8) * 2^(e-7) * 0.5
-}
 
 // ---- float types: one element --------------------------------------------------------------------------------
 template <int T> GG_HD float gg_dq1(const uint8_t* p);
 template <> GG_HD float gg_dq1<GG_F32>(const uint8_t* p) { return gg_f32(gg_ld32(p)); }
 template <> GG_HD float gg_dq1<GG_F16>(const uint8_t* p) { return gg_half(gg_ld16(p)); }
 template <> GG_HD float gg_dq1<GG_BF16>(const uint8_t* p) { return gg_bf16(gg_ld16(p)); }
-
-// float8 bytes, exactly (quants.fp8_lut): the float32 bits are assembled directly; the one arithmetic step, a
-// subnormal's m * 2^-9 (e4m3) or m * 2^-16 (e5m2), is an exact product of normal numbers. NaN is the quiet NaN
-// with the byte's sign (0x7fc00000 | sign), as numpy's copysign(nan) gives it; -0 keeps its sign.
-GG_HD float gg_e4m3(uint32_t x) {                      // OCP e4m3fn: bias 7, no infinities, S.1111.111 is NaN
-    const uint32_t sign = (x & 0x80u) << 24, e = (x >> 3) & 15u, m = x & 7u;
-    if ((x & 0x7fu) == 0x7fu) return gg_f32(sign | 0x7fc00000u);
-    if (e == 0) return gg_f32(sign | gg_bits(gg_i2f((int)m) * 0.001953125f));
-    return gg_f32(sign | ((e + 120u) << 23) | (m << 20));
-}
-GG_HD float gg_e5m2(uint32_t x) {                      // bias 15, S.11111.00 is infinity, S.11111.mm NaN
-    const uint32_t sign = (x & 0x80u) << 24, e = (x >> 2) & 31u, m = x & 3u;
-    if (e == 31) return gg_f32(sign | (m ? 0x7fc00000u : 0x7f800000u));
-    if (e == 0) return gg_f32(sign | gg_bits(gg_i2f((int)m) * 1.52587890625e-05f));
-    return gg_f32(sign | ((e + 112u) << 23) | (m << 21));
-}
-// UE8M0: 2^(e-127); e = 0 is the float32 subnormal 2^-127 (bits 0x00400000, made from bits: nothing flushes it),
-// 0xFF is NaN.
-GG_HD float gg_e8m0(uint32_t e) { return gg_f32(e == 255 ? 0x7fc00000u : e ? e << 23 : 0x00400000u); }
-template <> GG_HD float gg_dq1<GG_F8_E4M3>(const uint8_t* p) { return gg_e4m3(p[0]); }
-template <> GG_HD float gg_dq1<GG_F8_E5M2>(const uint8_t* p) { return gg_e5m2(p[0]); }
-template <> GG_HD float gg_dq1<GG_F8_E8M0>(const uint8_t* p) { return gg_e8m0(p[0]); }
 
 // ---- quantized types: elements [8i, 8i+8) of one block --------------------------------------------------------
 template <int T> GG_HD void gg_dq8(const uint8_t* __restrict__ b, int i, const uint8_t* __restrict__ tab,
@@ -515,26 +487,4 @@ template <> GG_HD void gg_dq8<GG_TQ2_0>(const uint8_t* __restrict__ b, int i, co
     const uint8_t* q = b + 32 * (e0 >> 7) + (e0 & 31);
     const int sh = 2 * ((e0 >> 5) & 3);
     for (int k = 0; k < 8; ++k) y[k] = d * gg_i2f((int)((int)((q[k] >> sh) & 3) - 1));
-}
-
-// MXFP4: e8m0 exponent, qs[16]; values are kvalues_mxfp4 (doubled e2m1) * 2^(e-127) * 0.5.
-template <> GG_HD void gg_dq8<GG_MXFP4>(const uint8_t* __restrict__ b, int i, const uint8_t* __restrict__ tab,
-                                        float* __restrict__ y) {
-    const float d = gg_e8m0_half(b[0]);
-    const int8_t* kv = reinterpret_cast<const int8_t*>(tab + GG_OFF_KV_MXFP4);
-    const uint8_t* q = b + 1 + 8 * (i & 1);
-    const int sh = 4 * (i >> 1);
-    for (int k = 0; k < 8; ++k) y[k] = gg_mul(d, gg_i2f(kv[(q[k] >> sh) & 15]));   // d may be subnormal
-}
-
-// NVFP4: 4 ue4m3 scales, qs[32]; sub-block s (16 elements): element 16s + j is the low nibble of qs[8s + j]
-// for j < 8, the high nibble of qs[8s + j - 8] otherwise.
-template <> GG_HD void gg_dq8<GG_NVFP4>(const uint8_t* __restrict__ b, int i, const uint8_t* __restrict__ tab,
-                                        float* __restrict__ y) {
-    const int s = i >> 1;
-    const float d = gg_ue4m3_half(b[s]);
-    const int8_t* kv = reinterpret_cast<const int8_t*>(tab + GG_OFF_KV_NVFP4);
-    const uint8_t* q = b + 4 + 8 * s;
-    const int sh = 4 * (i & 1);
-    for (int k = 0; k < 8; ++k) y[k] = d * gg_i2f(kv[(q[k] >> sh) & 15]);
 }

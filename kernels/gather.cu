@@ -3,7 +3,7 @@
 // gg_gather<T, OD, I>: T = row type id (GGML's, or a float8 id), OD = output dtype (0 float32, 1 float16,
 // 2 bfloat16; 16-bit outputs are written as raw bits), I = index type of the inverse map (int or long long).
 // gg_gather_scaled<T, S, OD, I>: the same for a table with block scales of element type S (GG_SCALE_TYPES), for
-// the row types of GG_SCALED_TYPES; its arguments are gg_gather's, then sstaging, soffsets, sblock.
+// the row types of GG_SCALED_TYPES; its arguments are gg_gather's, then sstaging, soffsets, sblock, smul.
 //
 //   staging   uint8 bytes holding the unique rows (compact: row u at u*row_bytes; O_DIRECT windows: anywhere)
 //   offsets   int64 [U], byte offset of unique row u in staging (no alignment required)
@@ -19,8 +19,11 @@
 //             block of scales covers several rows)
 //   sblock    elements per scale along the row: element e of unique row u takes scale e / sblock of its scale
 //             row, which holds ceil(row_elems / sblock) scales
-//   value     out = dequant(row)[e] * scale_e (one float32 product, rounded to nearest even, subnormals kept),
-//             then as above (* scale when has_scale, then the output rounding)
+//   smul      multiplies every block scale: scale_e = dequant(scale e / sblock) * smul (NVFP4's per-tensor global
+//             scale; 1 otherwise, which changes no value)
+//   value     out = dequant(row)[e] * scale_e, each product one float32 multiply rounded to nearest even with
+//             subnormals kept (vLLM's NVFP4 order: e2m1 * (e4m3 scale * global)), then as above (* scale when
+//             has_scale, then the output rounding)
 //
 // Work unit ("item"): 8 consecutive elements of one row. A CTA of 256 threads takes `rows_per_cta` consecutive
 // output rows and strides over their items, so neighbouring threads read neighbouring bytes and write
@@ -28,6 +31,9 @@
 // for the host by host_check.cu, which is how the whole gather is checked on machines without a GPU.
 #ifndef GG_DEQUANT_INCLUDED
 #include "dequant.cuh"
+#endif
+#ifndef GG_FLOAT8_INCLUDED
+#include "float8.cuh"
 #endif
 
 // ---- output rounding --------------------------------------------------------------------------------------
@@ -124,17 +130,17 @@ template <int OD> GG_HD void gg_store1(void* __restrict__ out, long long at, flo
 }
 
 // ---- one item: output row `row`, elements [8*item, 8*item + 8) ------------------------------------------------
-// The row types with a block-scaled variant, and the scale element types (F32, BF16, UE8M0).
-#define GG_SCALED_TYPES(X) X(F8_E4M3) X(F8_E5M2)
-#define GG_SCALE_TYPES(X) X(F32) X(BF16) X(F8_E8M0)
-#define GG_NO_SCALE (-1)                               // S of an unscaled table: sstaging, soffsets, sblock unused
+// The row types with a block-scaled variant, and the scale element types (F32, BF16, UE8M0, E4M3).
+#define GG_SCALED_TYPES(X) X(F8_E4M3) X(F8_E5M2) X(F4_E2M1)
+#define GG_SCALE_TYPES(X) X(F32) X(BF16) X(F8_E8M0) X(F8_E4M3)
+#define GG_NO_SCALE (-1)                               // S of an unscaled table: no sstaging, soffsets, sblock, smul
 
 template <int T, int S, int OD, typename I>
 GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets,
                           const I* __restrict__ inverse, void* __restrict__ out, const uint8_t* __restrict__ tab,
                           long long n_rows, int row_elems, int seg, float scale, int has_scale,
                           const uint8_t* __restrict__ sstaging, const long long* __restrict__ soffsets, int sblock,
-                          long long row, int item) {
+                          float smul, long long row, int item) {
     constexpr unsigned QK = GGTraits<T>::QK, TS = GGTraits<T>::TS;
     const long long u = (long long)inverse[row];
     const uint8_t* src = staging + offsets[u];
@@ -148,16 +154,18 @@ GG_HD void gg_gather_item(const uint8_t* __restrict__ staging, const long long* 
         gg_dq8<T>(src + (unsigned long long)(e0 / QK) * TS, (int)((e0 % QK) >> 3), tab, v);
     }
     if constexpr (S != GG_NO_SCALE) {                  // element e0 + k takes scale (e0 + k) / sblock
+        // Each block scale times smul first, then the element times that (vLLM's NVFP4 order); smul = 1 leaves
+        // every scale as it is (x * 1 is exact), so one path serves every scaled table.
         constexpr unsigned STS = GGTraits<S>::TS;
-        const uint8_t* sp = sstaging + soffsets[u];
-        unsigned si = e0 / (unsigned)sblock;
+        const unsigned si = e0 / (unsigned)sblock;
+        const uint8_t* sp = sstaging + soffsets[u] + si * STS;     // the scale of element e0, then of the next ones
         unsigned left = (si + 1) * (unsigned)sblock - e0;     // elements of this item before the next scale
-        float sc = gg_dq1<S>(sp + si * STS);
+        float sc = gg_mul(gg_dq1<S>(sp), smul);
         for (int k = 0; k < n; ++k) {                  // only the row's elements: no scale read past the row's
             if ((unsigned)k == left) {
-                ++si;
+                sp += STS;
                 left += (unsigned)sblock;
-                sc = gg_dq1<S>(sp + si * STS);
+                sc = gg_mul(gg_dq1<S>(sp), smul);
             }
             v[k] = gg_mul(v[k], sc);
         }
@@ -204,7 +212,8 @@ __device__ __forceinline__ void gg_gather_cta(const uint8_t* __restrict__ stagin
                                               void* __restrict__ out, const uint8_t* __restrict__ tab,
                                               long long n_rows, int row_elems, int seg, int rows_per_cta,
                                               float scale, int has_scale, const uint8_t* __restrict__ sstaging,
-                                              const long long* __restrict__ soffsets, int sblock) {
+                                              const long long* __restrict__ soffsets, int sblock,
+                                              float smul) {
     const int items = (row_elems + 7) >> 3;
     const long long row0 = (long long)blockIdx.x * rows_per_cta;
     const long long left = n_rows - row0;
@@ -214,7 +223,7 @@ __device__ __forceinline__ void gg_gather_cta(const uint8_t* __restrict__ stagin
     int r = li / items, k = li - r * items;
     for (; li < total; li += GG_BLOCK) {
         gg_gather_item<T, S, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale,
-                                    sstaging, soffsets, sblock, row0 + r, k);
+                                    sstaging, soffsets, sblock, smul, row0 + r, k);
         r += step_r;
         k += step_k;
         if (k >= items) {
@@ -230,7 +239,7 @@ gg_gather(const uint8_t* __restrict__ staging, const long long* __restrict__ off
           void* __restrict__ out, const uint8_t* __restrict__ tab, long long n_rows, int row_elems, int seg,
           int rows_per_cta, float scale, int has_scale) {
     gg_gather_cta<T, GG_NO_SCALE, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, rows_per_cta,
-                                         scale, has_scale, nullptr, nullptr, 1);
+                                         scale, has_scale, nullptr, nullptr, 1, 1.0f);
 }
 
 template <int T, int S, int OD, typename I>
@@ -238,16 +247,17 @@ __global__ void GG_LAUNCH_BOUNDS
 gg_gather_scaled(const uint8_t* __restrict__ staging, const long long* __restrict__ offsets,
                  const I* __restrict__ inverse, void* __restrict__ out, const uint8_t* __restrict__ tab,
                  long long n_rows, int row_elems, int seg, int rows_per_cta, float scale, int has_scale,
-                 const uint8_t* __restrict__ sstaging, const long long* __restrict__ soffsets, int sblock) {
+                 const uint8_t* __restrict__ sstaging, const long long* __restrict__ soffsets, int sblock,
+                 float smul) {
     gg_gather_cta<T, S, OD, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, rows_per_cta, scale,
-                               has_scale, sstaging, soffsets, sblock);
+                               has_scale, sstaging, soffsets, sblock, smul);
 }
 
-// Compile checks (nvcc, hipcc): GG_INSTANTIATE_ALL builds every kernel the Python side names (29 row types x 3
-// output dtypes x 2 index types, and the scaled kernels: 2 float8 types x 3 scale types x 3 x 2);
+// Compile checks (nvcc, hipcc): GG_INSTANTIATE_ALL builds every kernel the Python side names (30 row types x 3
+// output dtypes x 2 index types, and the scaled kernels: 3 scaled types x 4 scale types x 3 x 2);
 // GG_INSTANTIATE_EACH_TYPE builds one per type (int indices, output dtype id % 3, so every dequantizer and every
 // output path is compiled) plus Q4_0's other five, and one scaled kernel per (type, scale type) pair, over
-// every output dtype and both index types: 34 + 6, for slower compilers.
+// every output dtype and both index types: 35 + 12, for slower compilers.
 #define GG_INST1(id, od, I)                                                                                      \
     template __global__ void gg_gather<id, od, I>(const uint8_t* __restrict__, const long long* __restrict__,  \
                                                   const I* __restrict__, void* __restrict__,                   \
@@ -256,7 +266,7 @@ gg_gather_scaled(const uint8_t* __restrict__ staging, const long long* __restric
     template __global__ void gg_gather_scaled<GG_##t, GG_##s, od, I>(                                           \
         const uint8_t* __restrict__, const long long* __restrict__, const I* __restrict__, void* __restrict__,  \
         const uint8_t* __restrict__, long long, int, int, int, float, int, const uint8_t* __restrict__,         \
-        const long long* __restrict__, int);
+        const long long* __restrict__, int, float);
 #if defined(GG_INSTANTIATE_ALL)
 #define GG_INST(name, id, qk, ts)                                                                                \
     GG_INST1(id, 0, int) GG_INST1(id, 1, int) GG_INST1(id, 2, int)                                               \
@@ -268,10 +278,13 @@ GG_TYPE_LIST(GG_INST)
     GG_INST_SCALED1(t, s, 0, long long) GG_INST_SCALED1(t, s, 1, long long) GG_INST_SCALED1(t, s, 2, long long)
 #define GG_INST_E4M3(s) GG_INST_S(s, F8_E4M3)
 #define GG_INST_E5M2(s) GG_INST_S(s, F8_E5M2)
+#define GG_INST_E2M1(s) GG_INST_S(s, F4_E2M1)
 GG_SCALE_TYPES(GG_INST_E4M3)
 GG_SCALE_TYPES(GG_INST_E5M2)
+GG_SCALE_TYPES(GG_INST_E2M1)
 #undef GG_INST_E4M3
 #undef GG_INST_E5M2
+#undef GG_INST_E2M1
 #undef GG_INST_S
 #elif defined(GG_INSTANTIATE_EACH_TYPE)
 #define GG_INST(name, id, qk, ts) GG_INST1(id, id % 3, int)
@@ -279,8 +292,11 @@ GG_TYPE_LIST(GG_INST)
 #undef GG_INST
 GG_INST1(2, 0, int) GG_INST1(2, 1, int) GG_INST1(2, 0, long long) GG_INST1(2, 1, long long) GG_INST1(2, 2, long long)
 GG_INST_SCALED1(F8_E4M3, F32, 0, int) GG_INST_SCALED1(F8_E4M3, BF16, 1, long long)
-GG_INST_SCALED1(F8_E4M3, F8_E8M0, 2, int) GG_INST_SCALED1(F8_E5M2, F32, 1, int)
-GG_INST_SCALED1(F8_E5M2, BF16, 2, long long) GG_INST_SCALED1(F8_E5M2, F8_E8M0, 0, long long)
+GG_INST_SCALED1(F8_E4M3, F8_E8M0, 2, int) GG_INST_SCALED1(F8_E4M3, F8_E4M3, 0, long long)
+GG_INST_SCALED1(F8_E5M2, F32, 1, int) GG_INST_SCALED1(F8_E5M2, BF16, 2, long long)
+GG_INST_SCALED1(F8_E5M2, F8_E8M0, 0, long long) GG_INST_SCALED1(F8_E5M2, F8_E4M3, 1, int)
+GG_INST_SCALED1(F4_E2M1, F32, 2, int) GG_INST_SCALED1(F4_E2M1, BF16, 0, long long)
+GG_INST_SCALED1(F4_E2M1, F8_E8M0, 1, long long) GG_INST_SCALED1(F4_E2M1, F8_E4M3, 2, long long)
 #endif
 #undef GG_INST1
 #undef GG_INST_SCALED1

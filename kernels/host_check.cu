@@ -2,6 +2,7 @@
 // gguf.quants on machines without a GPU. Plain C++: g++ -x c++ -std=c++17 -ffp-contract=off -shared -fPIC
 // (gds_gather.gpu.dequant.host_library() builds and loads it through ctypes).
 #include "dequant.cuh"
+#include "float8.cuh"
 #include "gather.cu"
 
 namespace {
@@ -24,22 +25,22 @@ void dequant_blocks(const uint8_t* blocks, long long n_blocks, const uint8_t* ta
 template <int T, int S, int OD, typename I>
 void gather_rows(const uint8_t* staging, const long long* offsets, const void* inverse, void* out,
                  const uint8_t* tab, long long n_rows, int row_elems, int seg, float scale, int has_scale,
-                 const uint8_t* sstaging, const long long* soffsets, int sblock) {
+                 const uint8_t* sstaging, const long long* soffsets, int sblock, float smul) {
     const int items = (row_elems + 7) / 8;
     for (long long r = 0; r < n_rows; ++r)
         for (int k = 0; k < items; ++k)
             gg_gather_item<T, S, OD, I>(staging, offsets, static_cast<const I*>(inverse), out, tab, n_rows,
-                                        row_elems, seg, scale, has_scale, sstaging, soffsets, sblock, r, k);
+                                        row_elems, seg, scale, has_scale, sstaging, soffsets, sblock, smul, r, k);
 }
 
 template <int T, int S>
 int gather_type(int od, int idx64, const uint8_t* staging, const long long* offsets, const void* inverse,
                 void* out, const uint8_t* tab, long long n_rows, int row_elems, int seg, float scale,
-                int has_scale, const uint8_t* sstaging, const long long* soffsets, int sblock) {
+                int has_scale, const uint8_t* sstaging, const long long* soffsets, int sblock, float smul) {
 #define GG_CASE(o, I)                                                                                         \
     if (od == o) {                                                                                            \
         gather_rows<T, S, o, I>(staging, offsets, inverse, out, tab, n_rows, row_elems, seg, scale, has_scale, \
-                                sstaging, soffsets, sblock);                                                  \
+                                sstaging, soffsets, sblock, smul);                                            \
         return 0;                                                                                             \
     }
     if (idx64) {
@@ -84,23 +85,23 @@ int gg_host_gather(int type, int od, int idx64, const uint8_t* staging, const lo
     switch (type) {
 #define GG_GA(name, id, q, t) \
     case id: return gather_type<id, GG_NO_SCALE>(od, idx64, staging, offsets, inverse, out, tab, n_rows, row_elems, \
-                                                 seg, scale, has_scale, nullptr, nullptr, 1);
+                                                 seg, scale, has_scale, nullptr, nullptr, 1, 1.0f);
         GG_TYPE_LIST(GG_GA)
 #undef GG_GA
     }
     return -1;
 }
 
-// The same for gg_gather_scaled<T, stype, od, I> (its arguments: gg_gather's, then sstaging, soffsets, sblock);
-// -1 for a (type, stype) pair without a scaled kernel.
+// The same for gg_gather_scaled<T, stype, od, I> (its arguments: gg_gather's, then sstaging, soffsets, sblock,
+// smul); -1 for a (type, stype) pair without a scaled kernel.
 int gg_host_gather_scaled(int type, int stype, int od, int idx64, const uint8_t* staging, const long long* offsets,
                           const void* inverse, void* out, const uint8_t* tab, long long n_rows, int row_elems,
                           int seg, float scale, int has_scale, const uint8_t* sstaging, const long long* soffsets,
-                          int sblock) {
+                          int sblock, float smul) {
 #define GG_GS(sname)                                                                                           \
     if (stype == GG_##sname)                                                                                   \
         return gather_type<T, GG_##sname>(od, idx64, staging, offsets, inverse, out, tab, n_rows, row_elems, seg, \
-                                          scale, has_scale, sstaging, soffsets, sblock);
+                                          scale, has_scale, sstaging, soffsets, sblock, smul);
 #define GG_GT(tname)                                                                                           \
     if (type == GG_##tname) {                                                                                  \
         constexpr int T = GG_##tname;                                                                          \

@@ -1,12 +1,14 @@
 """Dequant-scatter of quantized rows on the GPU: compile, launch, and the checks of a launch's arguments.
 
-The kernels (``kernels/dequant.cuh``, ``kernels/gather.cu``) read quantized rows from a staging buffer, map
+The kernels (``kernels/dequant.cuh``, ``float8.cuh``, ``gather.cu``) read quantized rows from a staging buffer, map
 each output row to its unique row through the planner's inverse map, dequantize every GGUF type gguf can
-dequantize and the float8 types (quants.row_types()), at any valid width, optionally scale, and write float32,
-float16 or bfloat16, either flat ``[n, row_elems]`` or in gemma's per-layer layout
-``[n_layer, n, row_elems // n_layer]``. Float8 tables may carry block scales (BlockScales: one F32, BF16 or
-UE8M0 scale per ``sblock`` elements of a row, in a second staging buffer), applied by the scaled kernels as one
-float32 product per element, rounded to nearest even with subnormals kept, before the output scale.
+dequantize, the float8 types and packed E2M1 (quants.row_types()), at any valid width, optionally scale, and write
+float32, float16 or bfloat16, either flat ``[n, row_elems]`` or in gemma's per-layer layout
+``[n_layer, n, row_elems // n_layer]``. Float8 and E2M1 tables may carry block scales (BlockScales: one F32, BF16,
+UE8M0 or E4M3 scale per ``sblock`` elements of a row, in a second staging buffer, each times a float32 multiplier
+``smul``), applied by the scaled kernels as float32 products rounded to nearest even with subnormals kept:
+``value * (scale * smul)``, vLLM's order for ModelOpt NVFP4 (E2M1 rows, E4M3 scales per 16 elements, the
+per-tensor global scale as smul), before the output scale.
 
 Compiled once per process and type (nvrtc.py: CuPy's RawModule, ``name_expressions``) from the translation unit
 of tables.py (the lookup tables from gguf), launched on the caller's stream, never synchronizing. The same
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 import threading
 from dataclasses import dataclass
@@ -47,32 +50,36 @@ BLOCK = 256          # threads per CTA (GG_BLOCK in gather.cu)
 ITEM = 8             # elements per thread work item
 ITEMS_PER_CTA = 2048  # work per CTA when the gather is large enough to fill the GPU
 LAYOUTS = ("flat", "per_layer")
-SCALED_TYPES = (R.F8_E4M3, R.F8_E5M2)        # row types with block-scaled kernels (GG_SCALED_TYPES in gather.cu)
-SCALE_TYPES = (R.F32, R.BF16, R.F8_E8M0)     # their scale element types (GG_SCALE_TYPES)
+SCALED_TYPES = (R.F8_E4M3, R.F8_E5M2, R.F4_E2M1)     # row types with block-scaled kernels (GG_SCALED_TYPES)
+SCALE_TYPES = (R.F32, R.BF16, R.F8_E8M0, R.F8_E4M3)  # their scale element types (GG_SCALE_TYPES in gather.cu)
 
 
 @dataclass(frozen=True)
 class BlockScales:
-    """The block scales of a scaled float8 gather (gather_rows' ``block_scales``; a 4-tuple in this order is taken
+    """The block scales of a scaled gather (gather_rows' ``block_scales``; a 4- or 5-tuple in this order is taken
     too).
 
     sstaging : uint8 array holding the scale rows, in the memory of the other arguments
     soffsets : int64 array [U]: byte offset in sstaging of unique row u's scale row (rows may share one)
     stype : the scale element type, one of SCALE_TYPES (RowType, name or id)
     sblock : elements per scale along the row; a scale row holds ceil(row_elems / sblock) scales
+    smul : a real number, rounded to float32 (nearest even), that multiplies every decoded scale before the
+        element does (NVFP4's per-tensor global scale); 1.0 changes no value
     """
     sstaging: object
     soffsets: object
     stype: object
     sblock: int
+    smul: float = 1.0
 
 
 def as_block_scales(block_scales) -> BlockScales:
     return block_scales if isinstance(block_scales, BlockScales) else BlockScales(*block_scales)
 
 
-def scale_geometry(qtype, block_scales, row_elems: int) -> tuple[quants.RowType, int, int]:
-    """(scale type, sblock, bytes per scale row) of a scaled gather; UnsupportedTypeError / ValueError otherwise."""
+def scale_geometry(qtype, block_scales, row_elems: int) -> tuple[quants.RowType, int, int, float]:
+    """(scale type, sblock, bytes per scale row, smul as a float32 value) of a scaled gather; UnsupportedTypeError,
+    TypeError or ValueError otherwise."""
     qt, bs = quants.check_supported(qtype), as_block_scales(block_scales)
     if qt not in SCALED_TYPES:
         raise UnsupportedTypeError(f"block scales apply to {', '.join(t.name for t in SCALED_TYPES)} rows, "
@@ -86,7 +93,11 @@ def scale_geometry(qtype, block_scales, row_elems: int) -> tuple[quants.RowType,
         raise TypeError(f"block_scales.sblock must be an int, got {bs.sblock!r}") from None
     if not 1 <= sblock < 2**31:
         raise ValueError(f"block_scales.sblock must be a positive int32, got {sblock}")
-    return st, sblock, -(-int(row_elems) // sblock) * quants.block_geometry(st)[1]
+    if not isinstance(bs.smul, numbers.Real):
+        raise TypeError(f"block_scales.smul must be a real number, got {bs.smul!r}")
+    with np.errstate(over="ignore"):            # a float beyond float32's range is inf, as torch casts it
+        smul = float(np.float32(bs.smul))
+    return st, sblock, -(-int(row_elems) // sblock) * quants.block_geometry(st)[1], smul
 
 
 # ---- names -----------------------------------------------------------------------------------------------------
@@ -110,7 +121,7 @@ def kernel_name(qtype, dtype="float32", index_dtype="int64", scale_type=None) ->
     tail = f"{OUT_DTYPES[arrays.dtype_name(dtype)]}, {INDEX_CTYPES[idx]}>"
     if scale_type is None:
         return f"gg_gather<{int(qt)}, {tail}"
-    st, _, _ = scale_geometry(qt, (None, None, scale_type, 1), 1)
+    st = scale_geometry(qt, (None, None, scale_type, 1), 1)[0]
     return f"gg_gather_scaled<{int(qt)}, {int(st)}, {tail}"
 
 
@@ -314,9 +325,10 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         Layers of the per_layer layout.
     stream : torch.cuda.Stream, cupy.cuda.Stream, int handle, or None
         Where the kernel runs. None: torch's current stream when `inverse` is a torch tensor, else cupy's.
-    block_scales : BlockScales or (sstaging, soffsets, stype, sblock), optional
-        For SCALED_TYPES rows: element j of unique row u is multiplied (float32, rounded to nearest even,
-        subnormals kept) by scale ``j // sblock`` of the scale row at byte ``soffsets[u]`` of `sstaging`, before
+    block_scales : BlockScales or (sstaging, soffsets, stype, sblock[, smul]), optional
+        For SCALED_TYPES rows: element j of unique row u is multiplied by ``scale * smul``, where scale is
+        ``j // sblock`` of the scale row at byte ``soffsets[u]`` of `sstaging` (two float32 products, each
+        rounded to nearest even with subnormals kept: the scale times smul, then the element times that), before
         `scale`. sstaging (bytes) and soffsets (int64, one per unique row) are device arrays like the others.
 
     Returns
@@ -356,9 +368,9 @@ def gather_rows(staging, row_offsets, inverse, qtype, row_elems, *, out=None, dt
         if g.scales is None:
             _kernel(int(g.qt), g.name, g.inv_dtype)((grid,), (BLOCK,), args)
         else:
-            sst_ptr, soff_ptr, st, sblock = g.scales
+            sst_ptr, soff_ptr, st, sblock, smul = g.scales
             _kernel(int(g.qt), g.name, g.inv_dtype, int(st))(
-                (grid,), (BLOCK,), args + (np.uint64(sst_ptr), np.uint64(soff_ptr), np.int32(sblock)))
+                (grid,), (BLOCK,), args + (np.uint64(sst_ptr), np.uint64(soff_ptr), np.int32(sblock), np.float32(smul)))
     return out
 
 
@@ -389,7 +401,7 @@ class Launch:
     name: str
     n: int
     shape: tuple
-    scales: tuple | None = None     # (sstaging pointer, soffsets pointer, scale type, sblock) of a scaled gather
+    scales: tuple | None = None     # (sstaging pointer, soffsets pointer, scale type, sblock, smul): scaled
 
 
 def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", layout="flat", n_layer=None,
@@ -411,7 +423,7 @@ def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="floa
     qt, _, seg = geometry(qtype, row_elems, layout, n_layer)
     scales = None
     if block_scales is not None:
-        st, sblock, _ = scale_geometry(qt, block_scales, row_elems)
+        st, sblock, _, smul = scale_geometry(qt, block_scales, row_elems)
         bs = as_block_scales(block_scales)
         _, sst_ptr, sst_dtype, _, sst_dev = _describe(bs.sstaging, "block_scales.sstaging", host)
         _, soff_ptr, soff_dtype, soff_shape, soff_dev = _describe(bs.soffsets, "block_scales.soffsets", host)
@@ -423,7 +435,7 @@ def check_launch(staging, row_offsets, inverse, qtype, row_elems, *, dtype="floa
         if {sst_dev, soff_dev} != {dev}:
             raise ValueError(f"block_scales must be on the device of the other arguments ({dev}), got "
                              f"{sst_dev}, {soff_dev}")
-        scales = (sst_ptr, soff_ptr, st, sblock)
+        scales = (sst_ptr, soff_ptr, st, sblock, smul)
     n = math.prod(inv_shape)
     return Launch(kind, st_ptr, off_ptr, inv_ptr, inv_dtype, dev, qt, seg, int(row_elems), arrays.dtype_name(dtype),
                   n, _out_shape(inv_shape, n, int(row_elems), seg, layout), scales)

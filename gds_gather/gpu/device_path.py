@@ -136,7 +136,7 @@ class DevicePath:
         a, sp = self.accel, t.scales
         offs = np.arange(raw.shape[0], dtype=np.int64) * raw.shape[1]
         return BlockScales(a.ids_like(np.ascontiguousarray(raw).reshape(-1), like, stream),
-                           a.ids_like(offs, like, stream), sp.kernel_type, sp.block)
+                           a.ids_like(offs, like, stream), sp.kernel_type, sp.block, sp.kernel_smul)
 
     def _fetch(self, plan: ReadPlan, name: str, mode: str, s):
         """The plan through the (name, mode) destination's one slot, on the accel stream `s`, which the caller

@@ -276,7 +276,8 @@ class HostAccel(Accel):
         def kernel():
             run = hk.host_gather if hk.host_compiler_available() else hk.reference_gather
             st, of, inv = numpy_view(staging), numpy_view(offsets), numpy_view(inverse)
-            scales = None if bs is None else (numpy_view(bs.sstaging), numpy_view(bs.soffsets), bs.stype, bs.sblock)
+            scales = None if bs is None else dq.BlockScales(numpy_view(bs.sstaging), numpy_view(bs.soffsets),
+                                                            bs.stype, bs.sblock, bs.smul)
             o[...] = run(st, of, inv, qtype, row_elems, block_scales=scales, **kw).view(o.dtype)
         self.current(stream).enqueue(kernel)
         return out

@@ -1,7 +1,8 @@
 """The dequant kernels run on the host: the very same CUDA C++ (the per-type dequantizers and the gather's
 per-item routine, ``kernels/host_check.cu``) compiled by the host's C++ compiler into a small shared library
-loaded with ctypes, and the numpy oracle they are checked against (gguf.quants.dequantize, the float8 values of
-quants.fp8_lut, block scales applied as one numpy float32 product). This is how the kernels
+loaded with ctypes, and the numpy oracle they are checked against (gguf.quants.dequantize, the float8 and E2M1
+values of quants.dequantize_rows, block scales applied as numpy float32 products: value * (scale * smul)). This is
+how the kernels
 are checked bit for bit on machines without a GPU, and what host.HostAccel runs as its gather.
 
 Exactness: no contraction and no fast math (g++ ``-ffp-contract=off``; x86-64 float math is SSE, with no excess
@@ -78,7 +79,7 @@ def host_library(soft_mul: bool = False) -> ctypes.CDLL:
     dll.gg_host_dequant.argtypes = [i32, c_p, i64, c_p, c_p]
     dll.gg_host_gather.argtypes = [i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32, ctypes.c_float, i32]
     dll.gg_host_gather_scaled.argtypes = [i32, i32, i32, i32, c_p, c_p, c_p, c_p, c_p, i64, i32, i32,
-                                          ctypes.c_float, i32, c_p, c_p, i32]
+                                          ctypes.c_float, i32, c_p, c_p, i32, ctypes.c_float]
     for f in (dll.gg_geometry, dll.gg_host_dequant, dll.gg_host_gather, dll.gg_host_gather_scaled):
         f.restype = i32
     dll.gg_host_mul.argtypes = [c_p, c_p, c_p, i64]
@@ -147,9 +148,9 @@ def _check_host_args(staging, row_offsets, inverse, rb: int):
 
 
 def _check_host_scales(block_scales, qt, row_elems: int, n_unique: int):
-    """(sstaging, soffsets, scale type, sblock) as checked numpy arrays: soffsets one per unique row, every scale
-    row inside sstaging."""
-    st, sblock, srb = scale_geometry(qt, block_scales, row_elems)
+    """(sstaging, soffsets, scale type, sblock, smul), the arrays checked numpy arrays: soffsets one per unique row,
+    every scale row inside sstaging."""
+    st, sblock, srb, smul = scale_geometry(qt, block_scales, row_elems)
     bs = as_block_scales(block_scales)
     sst, soffs = np.ascontiguousarray(bs.sstaging), np.ascontiguousarray(bs.soffsets)
     if sst.dtype != np.uint8:
@@ -159,7 +160,7 @@ def _check_host_scales(block_scales, qt, row_elems: int, n_unique: int):
                         f"{soffs.dtype} {soffs.shape}")
     if soffs.size and (soffs.min() < 0 or soffs.max() + srb > sst.size):
         raise IndexError(f"block_scales.soffsets reach outside the {sst.size}-byte scale staging buffer")
-    return sst, soffs, st, sblock
+    return sst, soffs, st, sblock, smul
 
 
 def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None, layout="flat",
@@ -185,8 +186,8 @@ def host_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float
         if scaled is None:
             rc = lib.gg_host_gather(int(qt), *args)
         else:
-            sst, soffs, st, sblock = scaled
-            rc = lib.gg_host_gather_scaled(int(qt), int(st), *args, _ptr(sst), _ptr(soffs), sblock)
+            sst, soffs, st, sblock, smul = scaled
+            rc = lib.gg_host_gather_scaled(int(qt), int(st), *args, _ptr(sst), _ptr(soffs), sblock, smul)
         if rc:
             raise UnsupportedTypeError(f"{qt.name} is not in the CUDA source")
     return out
@@ -205,17 +206,19 @@ def _rows(staging: np.ndarray, offs: np.ndarray, nbytes: int) -> np.ndarray:
 
 def reference_gather(staging, row_offsets, inverse, qtype, row_elems, *, dtype="float32", scale=None,
                      layout="flat", n_layer=None, block_scales=None) -> np.ndarray:
-    """What gather_rows must produce, from gguf.quants.dequantize (float8: quants.fp8_lut) and numpy (numpy arrays
-    in, numpy out); block scales multiply each value once in float32, before `scale`."""
+    """What gather_rows must produce, from quants.dequantize_rows (gguf.quants.dequantize; float8 and E2M1 from
+    their bits) and numpy (numpy arrays in, numpy out); block scales: value * (scale * smul) in float32, before
+    `scale`."""
     qt, rb, seg = geometry(qtype, row_elems, layout, n_layer)
     row_elems = int(row_elems)
     staging, offs, inv = _check_host_args(staging, row_offsets, inverse, rb)
     f32 = quants.dequantize_rows(_rows(staging, offs, rb), qt, row_elems)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):    # inf, subnormal and NaN products are values
         if block_scales is not None:
-            sst, soffs, st, sblock = _check_host_scales(block_scales, qt, row_elems, offs.size)
+            sst, soffs, st, sblock, smul = _check_host_scales(block_scales, qt, row_elems, offs.size)
             n_sc = -(-row_elems // sblock)
             s = quants.dequantize_rows(_rows(sst, soffs, n_sc * quants.block_geometry(st)[1]), st, n_sc)
+            s = s * np.float32(smul)
             f32 = f32 * s[:, np.arange(row_elems) // sblock]
         if scale is not None:
             f32 = f32 * np.float32(scale)

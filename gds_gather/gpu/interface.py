@@ -41,7 +41,7 @@ class Accel:
     def gather(self, staging, offsets, inverse, qtype, row_elems, *, dtype, stream, out=None, scale=None,
                layout="flat", n_layer=None, block_scales=None):
         """dequant.gather_rows queued on `stream`: the same arguments and checks; block_scales (dequant.BlockScales
-        or its 4-tuple, arrays of this accel) for a block-scaled float8 table."""
+        or its 4- or 5-tuple, arrays of this accel) for a block-scaled float8 or E2M1 table."""
         raise NotImplementedError
     def copy_words(self, src_ptr, dst_ptr, ctl_ptr, max_words, stream, device_id=0): raise NotImplementedError
     def copy_rows(self, pool_ptr, src_ptr, dst_ptr, ctl_ptr, row_bytes, max_rows, stream, device_id=0):

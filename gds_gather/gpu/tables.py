@@ -13,7 +13,7 @@ from gguf import quants as gq
 
 from . import kernel_sources
 
-KERNEL_SOURCES = ("dequant.cuh", "gather.cu")
+KERNEL_SOURCES = ("dequant.cuh", "float8.cuh", "gather.cu")     # in include order
 
 
 def _small_ints(cls, dtype) -> np.ndarray:
@@ -83,7 +83,8 @@ def defines() -> dict[str, int]:
 
 @functools.cache
 def source() -> str:
-    """The complete NVRTC translation unit: defines, dequant.cuh, then gather.cu."""
+    """The complete NVRTC translation unit: defines, then KERNEL_SOURCES in order (each one's include guard is
+    defined by the time a later one would include it)."""
     head = "".join(f"#define {k} {v}\n" for k, v in defines().items())
     body = "".join(kernel_sources.source(n).replace("#pragma once\n", "") + "\n" for n in KERNEL_SOURCES)
     return head + body

@@ -24,9 +24,9 @@ from gds_gather.gpu.host import HostAccel, HostArray, numpy_view
 
 KINDS = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
 ROW_KINDS = ("F8_E4M3", "F8_E5M2")
-SCALE_KINDS = ("F32", "BF16", "F8_E8M0")
+SCALE_KINDS = ("F32", "BF16", "F8_E8M0", "F8_E4M3")
 DTYPES = ("float32", "float16", "bfloat16")
-SCALE_BYTES = {"F32": 4, "BF16": 2, "F8_E8M0": 1}
+SCALE_BYTES = {"F32": 4, "BF16": 2, "F8_E8M0": 1, "F8_E4M3": 1}
 # (row_elems, sblock, n_layer): 32- and 128-element blocks, a ragged last block (160 = 128 + 32), blocks that do
 # not line up with the kernels' 8-element items (12), one scale per row (160), and the per-layer layout.
 GEOMETRIES = ((160, 32, None), (160, 128, None), (256, 32, None), (160, 12, None), (160, 160, None),
@@ -63,7 +63,7 @@ def fp8_f32(kind: str) -> np.ndarray:
 
 def scale_values(kind: str, raw: np.ndarray) -> np.ndarray:
     """uint8 [rows, n * size] scale rows -> float32 [rows, n]."""
-    if kind == "F8_E8M0":
+    if kind in ("F8_E8M0", "F8_E4M3"):
         return fp8_f32(kind)[raw]
     if kind == "BF16":
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
@@ -125,10 +125,14 @@ def byte_case(seed: int, width: int = 160, n_rows: int = 16):
 
 def scale_bytes(kind: str, shape, rng) -> np.ndarray:
     """Random scales of `kind` as uint8 [rows, n * size]: half of them tiny (subnormal products, subnormal F32 /
-    BF16 scales, E8M0 0x00 = 2^-127), the rest anywhere; zeros, infinities and NaN (E8M0 0xFF) among them."""
+    BF16 scales, E8M0 0x00 = 2^-127), the rest anywhere; zeros, infinities and NaN (E8M0 0xFF) among them. E4M3:
+    any byte, zero, the smallest subnormal and NaN for sure."""
     n = int(np.prod(shape))
     tiny = rng.random(n) < 0.5
-    if kind == "F8_E8M0":
+    if kind == "F8_E4M3":
+        v = rng.integers(0, 256, n).astype(np.uint8)
+        v[:3] = (0x00, 0x01, 0x7F)
+    elif kind == "F8_E8M0":
         v = np.where(tiny, rng.integers(0, 12, n), rng.integers(0, 256, n)).astype(np.uint8)
         v[:2] = (0x00, 0xFF)
     else:
@@ -242,7 +246,7 @@ def test_scaled_gather_exact(lib, kind, skind):
                         got = hk.host_gather(staging, offsets, inv.astype(idx), kind, width, soft_mul=soft, **kw)
                         assert_same(got, want, dtype, nan_sign=False,
                                     what=f"{kind} x {skind} w={width} sblock={sblock} {idx.__name__} soft={soft}")
-    assert subnormal_products > 20
+    assert subnormal_products > 20 or skind == "F8_E4M3"    # e4m3 x float8 is at least 2^-18 in magnitude
 
 
 def test_scaled_reference_is_the_oracle(lib):
@@ -272,9 +276,10 @@ def test_host_accel_gathers_scaled_tables():
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (dict(qtype="Q8_0", row_elems=160), UnsupportedTypeError, "block scales apply to F8_E4M3, F8_E5M2 rows, not Q8_0"),
+    (dict(qtype="Q8_0", row_elems=160), UnsupportedTypeError,
+     "block scales apply to F8_E4M3, F8_E5M2, F4_E2M1 rows, not Q8_0"),
     (dict(qtype="F8_E8M0"), UnsupportedTypeError, "not F8_E8M0"),
-    (dict(stype="F16"), UnsupportedTypeError, "block scales must be F32, BF16, F8_E8M0, got F16"),
+    (dict(stype="F16"), UnsupportedTypeError, "block scales must be F32, BF16, F8_E8M0, F8_E4M3, got F16"),
     (dict(sblock=0), ValueError, "sblock must be a positive int32, got 0"),
     (dict(sblock=2.5), TypeError, "sblock must be an int"),
     (dict(sstaging=np.zeros(64, np.float32)), TypeError, "sstaging must hold bytes"),
@@ -313,7 +318,7 @@ def test_kernel_names_of_the_scaled_kernels():
     assert dg.kernel_name("F8_E4M3", "bfloat16", "int32", "F8_E8M0") == "gg_gather_scaled<1000, 1002, 2, int>"
     assert dg.kernel_name("f8_e5m2", np.float32, np.int64) == "gg_gather<1001, 0, long long>"
     assert dg.kernel_name(1001, "float16", "int64", "BF16") == "gg_gather_scaled<1001, 30, 1, long long>"
-    assert len(set(dg.kernel_names("F8_E4M3"))) == 24 and len(dg.kernel_names("F8_E8M0")) == 6
+    assert len(set(dg.kernel_names("F8_E4M3"))) == 30 and len(dg.kernel_names("F8_E8M0")) == 6
     with pytest.raises(UnsupportedTypeError):
         dg.kernel_name("Q4_0", "float32", "int32", "F32")
 
@@ -344,7 +349,8 @@ class _Ctx:
 
 def test_gather_rows_launches_the_scaled_kernel(lib, monkeypatch):
     """gather_rows with block_scales: the scaled kernel of (type, scale type, dtype, index type), its arguments
-    gg_gather's then sstaging, soffsets, sblock; run here through the host build, equal to the oracle."""
+    gg_gather's then sstaging, soffsets, sblock, smul (1.0 unless given); run here through the host build, equal to
+    the oracle."""
     tab = _Dev(tables.table_blob())
     fake = type("cupy", (), {"cuda": type("cuda", (), {"Device": _Ctx}),
                              "empty": staticmethod(lambda shape, dtype: _Dev(np.empty(shape, dtype)))})
@@ -355,12 +361,13 @@ def test_gather_rows_launches_the_scaled_kernel(lib, monkeypatch):
 
     def kernel(qt_id, dtype, index_dtype, st_id=None):
         def launch(grid, block, args):
-            assert len(args) == 14 and type(args[-1]) is np.int32 and type(args[-2]) is np.uint64
+            assert len(args) == 15 and type(args[-2]) is np.int32 and type(args[-3]) is np.uint64
+            assert type(args[-1]) is np.float32 and args[-1] == 1.0
             launches.append((qt_id, st_id, dtype, index_dtype))
             rc = lib.gg_host_gather_scaled(qt_id, st_id, dg.OUT_DTYPES[dtype], int(index_dtype == "int64"),
                                            *(int(x) for x in args[:4]), tab.a.ctypes.data, int(args[5]),
                                            int(args[6]), int(args[7]), float(args[9]), int(args[10]),
-                                           int(args[11]), int(args[12]), int(args[13]))
+                                           int(args[11]), int(args[12]), int(args[13]), float(args[14]))
             assert rc == 0
         return launch
     monkeypatch.setattr(dg, "_kernel", kernel)

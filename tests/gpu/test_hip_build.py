@@ -43,7 +43,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     if hipcc is None:
         pytest.skip("hipcc not found (apt-get install hipcc): the ROCm compile check of kernels/ cannot run")
     from gds_gather.gpu.kernel_sources import write_sources
-    write_sources(tmp_path, ("dequant.cuh", "gather.cu"))
+    write_sources(tmp_path, tables.KERNEL_SOURCES)
     obj = tmp_path / "gather.o"
     cmd = [hipcc, *(f"--offload-arch={t}" for t in TARGETS), "-std=c++17", "-ffp-contract=off",
            "-DGG_INSTANTIATE_EACH_TYPE", *(f"-D{k}={v}" for k, v in tables.defines().items()),
@@ -56,7 +56,7 @@ def test_hipcc_builds_every_type_for_two_amd_targets(tmp_path):
     kernels = set(re.findall(rb"_Z9gg_gather\w+\.kd", blob))     # kernel descriptors exist only in device code
     assert len(kernels) == want, sorted(kernels)[:5]
     scaled = set(re.findall(rb"_Z16gg_gather_scaled\w+\.kd", blob))
-    assert len(scaled) == 6, sorted(scaled)   # one per (float8 type, scale type) pair
+    assert len(scaled) == 12, sorted(scaled)   # one per (scaled type, scale type) pair
     kernels |= scaled
     for t in TARGETS:
         assert f"amdgcn-amd-amdhsa--{t}".encode() in blob, t
@@ -82,7 +82,7 @@ def test_hip_preprocessor_paths():
     gather, dequant = source("gather.cu"), source("dequant.cuh")
     assert "#if defined(__CUDACC__) || defined(__HIP__)" in gather
     assert "#if !defined(__CUDACC__) && !defined(__HIP__)" in dequant
-    for text in (gather, dequant):
+    for text in (gather, dequant, source("float8.cuh")):
         lines = text.splitlines()
         for i, line in enumerate(lines):
             if "asm(" in line:   # every inline PTX line sits right under an __CUDA_ARCH__-only guard
