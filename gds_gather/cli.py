@@ -79,7 +79,7 @@ def cmd_info(args, cfg: Config) -> int:
     print(f"  tensor         {d['tensor']}  {d['qtype']}  [{d['row_elems']}, {d['n_rows']}] (ggml order)")
     print(f"  rows           {d['n_rows']:,} rows x {d['row_elems']} elements = {d['row_bytes']} B/row")
     if d["scales"]:
-        print(fit(f"  scales         {d['scales']}: value = float8 x scale (one float32 multiply)", " " * 17))
+        print(fit(f"  scales         {d['scales']}: value = element x scale (float32 multiplies)", " " * 17))
     if d["convert"]:
         print(f"  convert        {d['convert']}")
     print(f"  table          {human_bytes(d['table_bytes'])} at offset {d['data_offset']:,} "
@@ -135,9 +135,12 @@ def cmd_make_model(args, cfg: Config) -> int:
             raise GatherError("--width applies to qwen4exp (a gemma row is n_layer x 256 elements)")
         preset = dataclasses.replace(preset, n_embd_per_layer=args.width)
     from .formats import quants
-    if args.qtype and quants.is_fp8(quants.qtype_of(args.qtype)):
+    qt = quants.qtype_of(args.qtype) if args.qtype else None
+    if qt is not None and quants.is_small_float(qt):
+        if qt == quants.RowType.F4_E2M1 and (args.scales or args.scale_block != 32):
+            raise GatherError("F4_E2M1 is ModelOpt's NVFP4: its scales are F8_E4M3 per 16 elements, no --scales")
         from .model.checkpoint import write_fp8_checkpoint
-        path = write_fp8_checkpoint(args.output, preset, args.qtype, rows=args.rows, seed=args.seed,
+        path = write_fp8_checkpoint(args.output, preset, qt, rows=args.rows, seed=args.seed,
                                     scale_type=args.scales, scale_block=args.scale_block, progress=not args.quiet)
     else:
         if args.scales or args.scale_block != 32:
@@ -197,9 +200,10 @@ def _cmd_convert(args, cfg: Config) -> int:
 
 
 def cmd_bench(args, cfg: Config) -> int:
+    """0, or 1 where the bench process died (bench gather --memory-limit: the passes it finished are written)."""
     from . import benches
-    benches.run(args.bench, args, cfg)
-    return 0
+    res = benches.run(args.bench, args, cfg)
+    return 1 if isinstance(res, dict) and isinstance(res.get("died"), dict) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a directory; needs the hf extra)")
     s.add_argument("-o", "--output", required=True,
                    help="the GGUF file to write (replaced atomically); with --hf a new or empty directory")
-    s.add_argument("--qtype", help="GGML type of the table (default: the preset's); F8_E4M3 or F8_E5M2 write a "
-                                   "safetensors checkpoint directory instead (GGUF has no float8 type)")
+    s.add_argument("--qtype", help="GGML type of the table (default: the preset's); F8_E4M3, F8_E5M2 or F4_E2M1 "
+                                   "(ModelOpt's NVFP4 layout) write a safetensors checkpoint directory instead (GGUF "
+                                   "has no such type)")
     s.add_argument("--rows", type=int_in(1, MAX_ROWS), help="number of table rows (default: the real model's)")
     s.add_argument("--width", type=int_in(1, 1 << 16),
                    help="qwen4exp: elements per row (default 160; 256 for an Engram-like 256 B float8 row)")

@@ -398,7 +398,10 @@ class Table:
         if scales is None:
             return out
         sp = self.scales
-        return out * sp.expand(quants.dequantize_rows(scales, sp.kernel_type, sp.kernel_width), self.row_elems)
+        s = quants.dequantize_rows(scales, sp.kernel_type, sp.kernel_width)
+        if sp.global_scale is not None:
+            s = s * np.float32(sp.global_scale)
+        return out * sp.expand(s, self.row_elems)
 
     def scale_rows(self, rows: np.ndarray, backend: str = "auto") -> np.ndarray | None:
         """The raw scales of each of `rows` (table row ids, each once): uint8 [len(rows), scale row bytes], what

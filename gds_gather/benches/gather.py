@@ -260,7 +260,9 @@ def run_capped(a, cfg: Config) -> dict:
         job, log = scratch / "job.pickle", scratch / "passes.jsonl"
         job.write_bytes(pickle.dumps((inner, cfg)))
         env = dict(os.environ, **cap.env(), **{memcap.PASSLOG: str(log)})
-        rc = subprocess.run([sys.executable, "-m", "gds_gather.benches.gather_capped", str(job)], env=env).returncode
+        child = subprocess.Popen([sys.executable, "-m", "gds_gather.benches.gather_capped", str(job)], env=env)
+        rc = child.wait()
+        shutil.rmtree(out_dir(a, cfg) / f"gather-{child.pid}", ignore_errors=True)   # a killed child's scratch
         done = memcap.read_log(log)
         kills = cap.oom_kills()
     finally:

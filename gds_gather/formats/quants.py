@@ -21,9 +21,12 @@ from ..errors import RowWidthError, UnsupportedTypeError
 Q = GGMLQuantizationType
 
 FP8_IDS = {"F8_E4M3": 1000, "F8_E5M2": 1001, "F8_E8M0": 1002}     # outside GGML's ids (gguf_parse refuses them)
-RowType = enum.IntEnum("RowType", {**{t.name: t.value for t in Q}, **FP8_IDS})
-RowType.__doc__ = "A row table's element or block type: every GGML type, and the float8 types (FP8_IDS)."
+FP4_IDS = {"F4_E2M1": 1003}         # ModelOpt NVFP4's packed elements: two per byte, the first in the low nibble
+RowType = enum.IntEnum("RowType", {**{t.name: t.value for t in Q}, **FP8_IDS, **FP4_IDS})
+RowType.__doc__ = "A row table's element or block type: every GGML type, the float8 and the float4 types."
 FP8_TYPES = tuple(RowType[n] for n in FP8_IDS)
+FP4_TYPES = tuple(RowType[n] for n in FP4_IDS)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)     # E2M1's magnitudes by its 3 low bits (OCP MX; bit 3: the sign)
 
 # The types a PLE table may have and gguf can dequantize (checked against the installed gguf at first use).
 CANDIDATES = (
@@ -53,8 +56,8 @@ def supported_types() -> tuple[RowType, ...]:
 
 
 def row_types() -> tuple[RowType, ...]:
-    """Every type a table may have: supported_types() and the float8 types (safetensors tables)."""
-    return supported_types() + FP8_TYPES
+    """Every type a table may have: supported_types() and the float8 / float4 types (safetensors tables)."""
+    return supported_types() + FP8_TYPES + FP4_TYPES
 
 
 def qtype_of(value) -> RowType:
@@ -83,10 +86,26 @@ def is_fp8(qtype) -> bool:
     return int(qtype) in FP8_IDS.values()
 
 
+def is_small_float(qtype) -> bool:
+    """A float8 or packed float4 type: a safetensors table's, scaled by a tensor beside it (scales.py)."""
+    return is_fp8(qtype) or int(qtype) in FP4_IDS.values()
+
+
 def block_geometry(qtype) -> tuple[int, int]:
-    """(elements per block, bytes per block): gguf.GGML_QUANT_SIZES; (1, 1) for a float8 type."""
+    """(elements per block, bytes per block): gguf.GGML_QUANT_SIZES; (1, 1) for a float8 type, (8, 4) for packed
+    F4_E2M1 (the kernels decode 8 elements at a time)."""
     qt = qtype_of(qtype)
+    if qt == RowType.F4_E2M1:
+        return (8, 4)
     return (1, 1) if is_fp8(qt) else GGML_QUANT_SIZES[Q(int(qt))]
+
+
+@functools.cache
+def fp4_pair_lut() -> np.ndarray:
+    """float32 [256, 2]: the two E2M1 values of each byte, the low nibble first."""
+    nib = np.array([(-1.0 if n & 8 else 1.0) * E2M1[n & 7] for n in range(16)], np.float32)
+    b = np.arange(256)
+    return np.stack([nib[b & 15], nib[b >> 4]], axis=1)
 
 
 @functools.cache
@@ -132,5 +151,7 @@ def dequantize_rows(raw: np.ndarray, qtype, row_elems: int) -> np.ndarray:
         return np.empty((0, row_elems), np.float32)
     if is_fp8(qt):
         return fp8_lut(qt)[raw]
+    if qt == RowType.F4_E2M1:
+        return fp4_pair_lut()[raw].reshape(raw.shape[0], row_elems)
     out = gq.dequantize(raw, Q(int(qt)))
     return np.asarray(out, dtype=np.float32).reshape(-1, row_elems)

@@ -39,7 +39,8 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 
             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
 ROW_TYPES = {"BF16": RowType.BF16, "F16": RowType.F16, "F32": RowType.F32, "F8_E4M3": RowType.F8_E4M3,
              "F8_E5M2": RowType.F8_E5M2}
-SCALE_TYPES = {"F32": RowType.F32, "BF16": RowType.BF16, "F8_E8M0": RowType.F8_E8M0}
+SCALE_TYPES = {"F32": RowType.F32, "BF16": RowType.BF16, "F8_E8M0": RowType.F8_E8M0, "F8_E4M3": RowType.F8_E4M3}
+NVFP4_BLOCK = 16            # ModelOpt NVFP4: one F8_E4M3 scale per 16 packed E2M1 elements
 
 
 def is_safetensors_source(path) -> bool:
@@ -290,16 +291,30 @@ def tensor_entry(path, name: str) -> tuple[Path, dict, int] | None:
     return (shard, entries[name], base) if name in entries else None
 
 
+def _packed_fp4(path, name: str, e: dict) -> bool:
+    """True for ModelOpt's NVFP4 layout: a U8 [rows, n / 2] tensor of packed E2M1 with F8_E4M3 scales
+    `<name>_scale` [rows, n / 16] beside it."""
+    if e["dtype"] != "U8" or len(e["shape"]) != 2:
+        return False
+    s = tensor_entry(path, name + "_scale")
+    return (s is not None and s[1]["dtype"] == "F8_E4M3"
+            and s[1]["shape"] == [e["shape"][0], -(-2 * e["shape"][1] // NVFP4_BLOCK)])
+
+
 def find_table_tensor(path, tensor: str = GGUF_DEFAULT_NAME) -> tuple[TensorInfo, dict, HFMeta]:
     """(tensor info in GGML order, the shard's header entries, metadata) for a safetensors checkpoint: a model
     directory, a model.safetensors.index.json, or one .safetensors file. Reads headers only."""
     shard, name, entries, base, st_meta, config_dir = _shard_of(path, tensor)
     e = entries[name]
-    if e["dtype"] not in ROW_TYPES:
-        raise UnsupportedTypeError(f"{shard}: tensor {name!r} is {e['dtype']}; safetensors tables must be "
-                                   f"{', '.join(ROW_TYPES)}")
     shape = tuple(reversed(e["shape"]))       # GGML order: ne0 = the contiguous row width
+    if _packed_fp4(path, name, e):
+        rtype, shape = RowType.F4_E2M1, (2 * shape[0], *shape[1:])
+    elif e["dtype"] in ROW_TYPES:
+        rtype = ROW_TYPES[e["dtype"]]
+    else:
+        raise UnsupportedTypeError(f"{shard}: tensor {name!r} is {e['dtype']}; safetensors tables must be "
+                                   f"{', '.join(ROW_TYPES)} (or NVFP4: U8 with F8_E4M3 scales)")
     b, end = e["data_offsets"]
-    info = TensorInfo(path=shard, name=name, type_id=int(ROW_TYPES[e["dtype"]]), shape=shape,
+    info = TensorInfo(path=shard, name=name, type_id=int(rtype), shape=shape,
                       data_offset=base + b, n_bytes=end - b, container="safetensors")
     return info, entries, HFMeta(config_dir, st_meta)

@@ -1,4 +1,4 @@
-"""The scales of a float8 table, found beside it the way published checkpoints store them (metadata only).
+"""The scales of a float8 or NVFP4 table, found beside it the way published checkpoints store them (metadata only).
 
 A scaled float8 value is ``fp8 value x scale``, one float32 multiply rounded to nearest (as vLLM's and SGLang's
 loaders dequantize: ``weight.to(float32) * scale``), then rounded once more to the output dtype. The scale tensor
@@ -15,7 +15,11 @@ Its shape says its granularity: one element (per tensor); ``[rows]`` or ``[rows,
 ceil(row_elems / kc)]`` (2-D blocks of kr rows x kc elements). A block size the shape leaves open comes from the
 argument, else config.json's ``quantization_config.weight_block_size`` ([kr, kc]) where it fits, else the one
 size of 32 and 128 that fits, else the size that divides evenly; anything else is refused with the shapes named.
-Scales are F32, BF16 or F8_E8M0.
+Scales are F32, BF16, F8_E8M0 or F8_E4M3.
+
+NVFP4 (NVIDIA ModelOpt's layout, as vLLM's ``dequantize_to_dtype`` reads it): packed E2M1 rows (quants.RowType.F4_E2M1)
+with F8_E4M3 scales ``<table>_scale`` per 16 elements and a float32 ``<table>_scale_2`` for the tensor: value =
+e2m1 x (scale x scale_2), the scale times the global first, each product one float32 multiply.
 """
 from __future__ import annotations
 
@@ -27,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import HeaderError, TableNotFoundError, UnsupportedTypeError
-from .quants import RowType, dequantize_rows, is_fp8
+from .quants import RowType, dequantize_rows, is_small_float
 from .safetensors_file import SCALE_TYPES, checkpoint_files, tensor_entry
 
 COMMON_BLOCKS = (32, 128)       # OCP MX blocks; DeepSeek's 128 x 128
-SCALE_BYTES = {RowType.F32: 4, RowType.BF16: 2, RowType.F8_E8M0: 1}
+SCALE_BYTES = {RowType.F32: 4, RowType.BF16: 2, RowType.F8_E8M0: 1, RowType.F8_E4M3: 1}
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,12 @@ class ScaleSpec:
     row_block: int
     block: int
     data_offset: int
+    global_scale: float | None = None   # NVFP4's per-tensor `<table>_scale_2`: multiplies each scale first
 
     def describe(self) -> str:
         t = self.stype.name.replace("F8_", "")
+        if self.global_scale is not None:
+            t += f" x {self.global_scale:g} ({self.name}_2)"
         if self.value is not None:
             return f"{self.name} ({t}, one per tensor: {self.value:g})"
         if self.row_block > 1:
@@ -72,6 +79,11 @@ class ScaleSpec:
         return 1 if self.value is not None else self.per_row
 
     @property
+    def kernel_smul(self) -> float:
+        """What the kernels multiply each scale by first (dequant.BlockScales.smul): the global scale, else 1."""
+        return 1.0 if self.global_scale is None else self.global_scale
+
+    @property
     def kernel_row_bytes(self) -> int:
         """Bytes of the scales beside each row (Table.scale_rows)."""
         return 4 if self.value is not None else self.per_row * SCALE_BYTES[self.stype]
@@ -83,6 +95,14 @@ class ScaleSpec:
     def expand(self, scale_rows: np.ndarray, row_elems: int) -> np.ndarray:
         """float32 [n, row_elems]: each element's scale, from decoded scale rows float32 [n, per_row]."""
         return np.repeat(scale_rows, self.block, axis=1)[:, :row_elems] if self.block > 1 else scale_rows
+
+
+def _scalar(shard: Path, e: dict, base: int) -> float:
+    """The value of a one-element scale tensor (its header entry `e`, data base `base`)."""
+    with open(shard, "rb") as f:
+        f.seek(base + e["data_offsets"][0])
+        raw = np.frombuffer(f.read(e["data_offsets"][1] - e["data_offsets"][0]), np.uint8)
+    return float(dequantize_rows(raw.reshape(1, -1), SCALE_TYPES[e["dtype"]], 1)[0, 0])
 
 
 def candidates(table: str) -> list[str]:
@@ -124,7 +144,7 @@ def find_scales(path, table_name: str, qtype, n_rows: int, row_elems: int, name=
     """The ScaleSpec of a float8 table (None: unscaled), from its checkpoint `path` (a model directory, index or
     .safetensors file). name: the scale tensor (None: by the published names; False: none). block: elements per
     scale along a row, or (rows, elements) of a 2-D block, where the shape leaves it open."""
-    if name is False or not is_fp8(qtype):
+    if name is False or not is_small_float(qtype):
         if name not in (None, False):
             raise UnsupportedTypeError(f"{path}: scales= applies to float8 tables; {table_name!r} is "
                                        f"{RowType(int(qtype)).name}")
@@ -143,11 +163,8 @@ def find_scales(path, table_name: str, qtype, n_rows: int, row_elems: int, name=
     offset = base + e["data_offsets"][0]
     spec = dict(name=sname, path=shard, stype=stype, data_offset=offset)
     if math.prod(shape) == 1:
-        with open(shard, "rb") as f:
-            f.seek(offset)
-            raw = np.frombuffer(f.read(e["data_offsets"][1] - e["data_offsets"][0]), np.uint8)
-        value = float(dequantize_rows(raw.reshape(1, -1), stype, 1)[0, 0])
-        return ScaleSpec(**spec, value=value, n_rows=1, per_row=1, row_block=n_rows, block=row_elems)
+        return ScaleSpec(**spec, value=_scalar(shard, e, base), n_rows=1, per_row=1, row_block=n_rows,
+                         block=row_elems)
     if len(shape) == 1:
         shape = shape + [1]
     if len(shape) != 2:
@@ -161,4 +178,9 @@ def find_scales(path, table_name: str, qtype, n_rows: int, row_elems: int, name=
         raise HeaderError(f"{where}: shape {[rs, cs]} does not map onto the table's {n_rows} x {row_elems} (blocks "
                           f"given {given[0]} x {given[1]}, config {conf[0]} x {conf[1]}); name the block with "
                           f"scale_block=(rows, elements)")
-    return ScaleSpec(**spec, value=None, n_rows=rs, per_row=cs, row_block=kr, block=kc)
+    found = tensor_entry(path, table_name + "_scale_2")
+    if found is not None and (found[1]["dtype"] not in SCALE_TYPES or math.prod(found[1]["shape"]) != 1):
+        raise HeaderError(f"{found[0]}: {table_name + '_scale_2'!r} is {found[1]['dtype']} {found[1]['shape']}; "
+                          f"a global scale is one F32 value")
+    return ScaleSpec(**spec, value=None, n_rows=rs, per_row=cs, row_block=kr, block=kc,
+                     global_scale=None if found is None else _scalar(*found))

@@ -71,7 +71,7 @@ def convert(source, output, qtype=None, *, tensor: str = DEFAULT_TENSOR, progres
     """Write the table of `source` alone to the GGUF `output`; returns what was written (types, bytes, error)."""
     output = check_output(output)
     with open_table(source, tensor, config or Config.from_env()) as t:
-        if qtype is None and quants.is_fp8(t.qtype):
+        if qtype is None and quants.is_small_float(t.qtype):
             raise UnsupportedTypeError(f"{t.path}: {t.name!r} is {t.qtype.name}{' (scaled)' if t.scales else ''}, "
                                        f"and GGUF has no float8 type: pass --qtype BF16 (exact for unscaled "
                                        f"E4M3/E5M2 rows) or Q8_0 (the error is measured and recorded)")

@@ -166,7 +166,7 @@ class GpuPrefill:
         pins = [a.pinned_array(nb, np.uint8) for _ in range(2)]
         dev, offs = a.device_array(nb, np.uint8, self.stream), a.device_array(self.N, np.int64, self.stream)
         a.upload(offs, np.arange(self.N, dtype=np.int64) * sp.kernel_row_bytes, self.stream)
-        return pins, BlockScales(dev, offs, sp.kernel_type, sp.block)
+        return pins, BlockScales(dev, offs, sp.kernel_type, sp.block, sp.kernel_smul)
 
     @property
     def readers(self) -> list:

@@ -212,3 +212,36 @@ def test_engram_layout(tmp_path):
         open_table(two)
     with open_table(two, "layers.15.engram.embed.weight") as t:
         assert t.scales is None
+
+
+def e2m1(nibble: int) -> float:
+    """OCP MX E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)."""
+    e, m = (nibble >> 1) & 3, nibble & 1
+    v = m * 0.5 if e == 0 else math.ldexp(1 + m / 2, e - 1)
+    return -v if nibble & 8 else v
+
+
+@pytest.mark.parametrize("width", [64, 160])
+def test_nvfp4_modelopt_layout(tmp_path, width):
+    """ModelOpt's NVFP4: U8 [rows, n/2] packed E2M1 (low nibble first), F8_E4M3 `_scale` [rows, n/16], F32 `_scale_2`:
+    value = e2m1 x (scale x scale_2), as vLLM's dequantize_to_dtype computes it."""
+    rng = np.random.default_rng(3)
+    rows = 40
+    packed = rng.integers(0, 256, (rows, width // 2), dtype=np.uint8)
+    sc = rng.integers(0x08, 0x7E, (rows, width // 16), dtype=np.uint8)          # finite e4m3, subnormals too
+    g = np.float32(0.00137)
+    d = write_checkpoint(tmp_path / "n", {TABLE: ("U8", (rows, width // 2), packed.tobytes()),
+                                          TABLE + "_scale": ("F8_E4M3", (rows, width // 16), sc.tobytes()),
+                                          TABLE + "_scale_2": ("F32", (), g.tobytes())})
+    vals = np.array([[e2m1(int(b) & 15), e2m1(int(b) >> 4)] for b in packed.ravel()], np.float32).reshape(rows, width)
+    s = np.array([[decode("F8_E4M3", int(b)) for b in r] for r in sc], np.float32) * g     # scale x global first
+    want = vals * np.repeat(s, 16, axis=1)
+    with open_table(d) as t:
+        assert t.qtype.name == "F4_E2M1" and t.row_elems == width and t.row_bytes == width // 2
+        assert t.scales.global_scale == float(g) and t.scales.block == 16
+        ids = rng.integers(0, rows, 25)
+        assert np.array_equal(t.gather(ids).view(np.uint32), want[ids].view(np.uint32))
+        assert np.array_equal(t.read_rows(ids), packed[ids])
+    plain = write_checkpoint(tmp_path / "u", {TABLE: ("U8", (rows, width // 2), packed.tobytes())})
+    with pytest.raises(UnsupportedTypeError, match="NVFP4: U8 with F8_E4M3 scales"):
+        open_table(plain)                                                      # bytes without scales: no table

@@ -1,5 +1,5 @@
-"""Float8 tables (issue 36) on the GPU data path, run on host.HostAccel (the kernels built as host code): Table's
-device gather and GpuPrefill in every destination against the host path (Table.gather: float8 value x scale in
+"""Float8 and NVFP4 tables (issue 36) on the GPU data path, run on host.HostAccel (the kernels built as host
+code): Table's device gather and GpuPrefill in every destination against the host path (Table.gather: float8 value x scale in
 numpy, itself checked against an independent decoder in tests/formats/test_fp8_tables.py) and CpuPrefill."""
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ DESTS = {"copy": ("discrete", "direct", 0), "copy+cache": ("discrete", "direct",
 
 
 @pytest.fixture(scope="module", params=[("F8_E4M3", "F8_E8M0", 32, None), ("F8_E5M2", "F32", 128, None),
-                                        ("F8_E4M3", None, 32, None), ("F8_E4M3", "BF16", 160, None)],
+                                        ("F8_E4M3", None, 32, None), ("F8_E4M3", "BF16", 160, None),
+                                        ("F4_E2M1", None, 32, None)],       # NVFP4: E4M3 per 16 and a global
                 ids=lambda p: f"{p[0]}-{p[1]}-{p[2]}")
 def checkpoint(request, tmp_path_factory):
     kind, scales, block, _ = request.param
