@@ -1,6 +1,6 @@
 """Float8 and NVFP4 tables (issue 36) on the GPU data path, run on host.HostAccel (the kernels built as host
-code): Table's device gather and GpuPrefill in every destination against the host path (Table.gather: float8 value x scale in
-numpy, itself checked against an independent decoder in tests/formats/test_fp8_tables.py) and CpuPrefill."""
+code): Table's device gather and GpuPrefill in every destination against the host path (Table.gather: value x
+scale in numpy, itself checked against an independent decoder in tests/formats/test_fp8_tables.py) and CpuPrefill."""
 from __future__ import annotations
 
 import numpy as np
