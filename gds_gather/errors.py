@@ -104,6 +104,10 @@ class MemoryBudgetError(GatherError, ValueError):
     the limit and where the limit came from (io/memory.py)."""
 
 
+class CapError(GatherError):
+    """A memory cgroup for `bench gather --memory-limit` cannot be made or used here (benches/memcap.py)."""
+
+
 class CompileError(BackendError):
     """The compiler refused a run-time build (io/cbuild.py); `output` is what it printed (stderr)."""
 

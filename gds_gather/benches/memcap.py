@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import GatherError
+from ..errors import CapError
 from ..io import memory
 
 ENV = "GDS_GATHER_BENCH_CGROUP"
@@ -29,10 +29,6 @@ FILES = {"v1": {"limit": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in
                 "cache": "cache"},
          "v2": {"limit": "memory.max", "swap": "memory.swap.max", "peak": "memory.peak", "usage": "memory.current",
                 "events": "memory.events", "cache": "file"}}
-
-
-class CapError(GatherError):
-    """A memory cgroup cannot be made or used here."""
 
 
 @dataclass
