@@ -267,6 +267,8 @@ def main(argv=None) -> int:
     t.add_argument("--vocab", type=int, default=65536)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--multimodal", action="store_true", help="Gemma4ForConditionalGeneration (a vision tower)")
+    t.add_argument("--tokenizer", action="store_true", help="a byte-level tokenizer with a chat template beside it "
+                   "(a server needs one)")
     for name in ("run", "ab"):
         r = sub.add_parser(name)
         r.add_argument("dir")
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
         print(json.dumps(res) if a.json else json.dumps(res, indent=1))
         return 0
     if a.cmd == "tiny":
-        print(tiny(a.kind, a.dir, a.vocab, seed=a.seed, multimodal=a.multimodal))
+        print(tiny(a.kind, a.dir, a.vocab, seed=a.seed, multimodal=a.multimodal, tokenizer=a.tokenizer))
         return 0
     kw = dict(bench_prompt_len=a.bench_prompt_len, bench_batch=a.bench_batch, decode_tokens=a.decode_tokens,
               compiled=a.compiled)

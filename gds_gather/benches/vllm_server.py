@@ -113,24 +113,25 @@ class Server:
 
     def stop(self, grace: float = 30) -> float:
         """End the whole process tree, the seconds it took: SIGTERM to the server (vLLM then shuts its engine and
-        workers down), after `grace` seconds SIGTERM to every process of its session, after 10 more SIGKILL;
-        it returns when none is left."""
+        workers down) and up to `grace` seconds for it to exit, then SIGTERM to every process left in its session,
+        after 10 more seconds SIGKILL; it returns when none is left."""
         if self.proc is None:
             return 0.0
         t0 = time.perf_counter()
         sid = self.proc.pid                        # the session's leader: its id is the session's and the group's
-        steps = ((os.kill, signal.SIGTERM, grace), (os.killpg, signal.SIGTERM, 10), (os.killpg, signal.SIGKILL, 10))
-        for send, sig, wait in steps:
+        # the server first (until it exits: vLLM ends its engine and workers before), then what is left of its session
+        steps = ((os.kill, signal.SIGTERM, grace, lambda: self.proc.poll() is None),
+                 (os.killpg, signal.SIGTERM, 10, lambda: session(sid)),
+                 (os.killpg, signal.SIGKILL, 10, lambda: session(sid)))
+        for send, sig, wait, running in steps:
             try:
                 send(sid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
             deadline = time.perf_counter() + wait
-            while True:
-                self.proc.poll()                    # reap the leader
-                if not session(sid) or time.perf_counter() > deadline:
-                    break
+            while running() and time.perf_counter() < deadline:
                 time.sleep(0.1)
+            self.proc.poll()                        # reap the leader
             if not session(sid):
                 break
         self.proc.wait(timeout=10)
