@@ -34,10 +34,16 @@ def add_noise(model, seed: int = 0, scale: float = 0.05):
     return model
 
 
+# a plain chat template (role: content lines, then the assistant's turn): what a chat request is rendered with
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def byte_tokenizer(path) -> None:
     """Save a byte-level tokenizer to `path` (tokenizer.json + tokenizer_config.json, loadable offline by
     AutoTokenizer): ids 0-3 are Gemma's <pad>, <eos>, <bos>, <unk> (the ids its configs name), then one id per byte,
-    so any text round-trips. Byte-level BPE without merges: `tokenizers` builds it, nothing is downloaded."""
+    so any text round-trips; CHAT_TEMPLATE renders chat requests (a server's /v1/chat/completions needs one).
+    Byte-level BPE without merges: `tokenizers` builds it, nothing is downloaded."""
     from tokenizers import Tokenizer, decoders, models
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
@@ -49,7 +55,7 @@ def byte_tokenizer(path) -> None:
     tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                            unk_token="<unk>").save_pretrained(path)
+                            unk_token="<unk>", chat_template=CHAT_TEMPLATE).save_pretrained(path)
 
 
 def tiny(kind: str, path, vocab: int = 65536, n_layer: int = 4, per_layer: int = 128, seed: int = 0,

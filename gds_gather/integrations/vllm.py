@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..backends import resolve
+from ..cache import hotrows
 from ..config import Config
 from ..errors import ModelMismatchError
 from .transformers import EXACT_TYPES, DiskEmbedding
@@ -163,13 +164,18 @@ class PerLayerEmbedding(DiskEmbedding):
         dtype = torch.get_default_dtype()        # vLLM builds the model under its dtype
         table = open_table(table_source(vllm_config, cfg), config=cfg)
         try:
-            if table.row_elems != embedding_dim or table.n_rows < num_embeddings:
-                raise ModelMismatchError(f"{table.path}: a table of {table.n_rows:,} rows x {table.row_elems} "
-                                         f"elements, but the model's per-layer embedding is [{num_embeddings:,}, "
-                                         f"{embedding_dim}]")
-            if table.qtype not in EXACT_TYPES.get(dtype, ()):
-                raise ModelMismatchError(f"{table.path}: a {table.qtype.name} table cannot give the model's {dtype} "
-                                         f"rows exactly (convert the checkpoint without --qtype)")
+            try:
+                if table.row_elems != embedding_dim or table.n_rows < num_embeddings:
+                    raise ModelMismatchError(f"{table.path}: a table of {table.n_rows:,} rows x {table.row_elems} "
+                                             f"elements, but the model's per-layer embedding is [{num_embeddings:,}, "
+                                             f"{embedding_dim}]")
+                if table.qtype not in EXACT_TYPES.get(dtype, ()):
+                    raise ModelMismatchError(f"{table.path}: a {table.qtype.name} table cannot give the model's "
+                                             f"{dtype} rows exactly (convert the checkpoint without --qtype)")
+            except ModelMismatchError as e:
+                # the one line to read among the tracebacks vLLM prints for a worker that fails to start
+                log.error("gds_gather: %s; the server does not start", e)
+                raise
             m = cls(table, num_embeddings, embedding_dim, dtype, torch.ones(()), None, cfg.backend)
         except BaseException:
             table.close()
@@ -180,9 +186,12 @@ class PerLayerEmbedding(DiskEmbedding):
         m.bytes_not_allocated = -(-num_embeddings // pc.tensor_parallel_size) * embedding_dim * dtype.itemsize
         _LIVE[prefix] = m
         backend, why = resolve(cfg.backend, cfg)
+        st = table.stats()
+        hot = hotrows.path_for(table) if cfg.hot_rows else "off (GDS_GATHER_HOT_ROWS=0)"
         log.info("gds_gather: %s from %s (%s, %s): %d bytes not allocated on this rank (tp=%d, pp=%d); host "
-                 "backend %s (%s)", prefix, table.path, table.name, table.qtype.name, m.bytes_not_allocated,
-                 pc.tensor_parallel_size, pc.pipeline_parallel_size, backend, why)
+                 "backend %s (%s); row cache budget %d bytes in this process (%s); hot rows %s", prefix, table.path,
+                 table.name, table.qtype.name, m.bytes_not_allocated, pc.tensor_parallel_size,
+                 pc.pipeline_parallel_size, backend, why, st["cache_budget_bytes"], st["cache_budget_reason"], hot)
         return m
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

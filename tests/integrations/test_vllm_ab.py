@@ -148,3 +148,49 @@ def test_tiny_multimodal_and_bad_kinds(tmp_path):
     with pytest.raises(ValueError, match="kind is gemma4 or gemma3n, got 'llama'"):
         tiny("llama", tmp_path / "y")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def _served(plugin, start, ttft1, tps8, worker_rss, tokens=((1, 2),)):
+    return {"plugin": plugin, "tp": 2, "pp": 1, "bench": {"requests": 4}, "start_s": start, "restart_s": start / 2,
+            "tokens": [list(t) for t in tokens], "chat": {"text": "", "token_ids": [5]},
+            "load": [{"concurrency": 1, "ttft_s": ttft1, "tok_per_s": 10.0},
+                     {"concurrency": 8, "ttft_s": 2 * ttft1, "tok_per_s": tps8}],
+            "processes": [{"role": "APIServer", "rss_loaded": 100}, {"role": "Worker_TP0", "rss_loaded": worker_rss}]}
+
+
+def test_serve_ab_interleaves_and_takes_medians():
+    feed = {False: iter([_served(False, 50, 0.1, 80, 1000), _served(False, 70, 0.3, 60, 1200),
+                         _served(False, 60, 0.2, 70, 1100)]),
+            True: iter([_served(True, 40, 0.2, 90, 900), _served(True, 44, 0.2, 95, 950),
+                        _served(True, 42, 0.4, 85, 990)])}
+    order, lines = [], []
+
+    def runner(model_dir, plugin, python, **kw):
+        order.append(plugin)
+        assert kw == {"tp": 2}
+        return next(feed[plugin])
+
+    res = vllm_ab.serve_ab("/m", 3, "/py", log=lines.append, runner=runner, tp=2)
+    assert order == [False, True] * 3 and res["tokens_equal"] and res["tp"] == 2
+    assert res["off"] == {"start_s": 60, "restart_s": 30, "c1_ttft_s": 0.2, "c1_tok_per_s": 10.0, "c8_ttft_s": 0.4,
+                          "c8_tok_per_s": 70, "rss_loaded APIServer": 100, "rss_loaded Worker_TP0": 1100,
+                          "rss_loaded total": 1200}
+    assert res["on"]["rss_loaded Worker_TP0"] == 950 and res["on"]["c8_tok_per_s"] == 90
+    assert lines[-1] == "  rss_loaded total: 1,200.000 / 1,050.000" and "greedy tokens equal" in lines[-10]
+
+
+def test_serve_ab_says_when_tokens_differ():
+    recs = iter([_served(False, 1, 1, 1, 1), _served(True, 1, 1, 1, 1, tokens=((1, 3),))])
+    lines = []
+    res = vllm_ab.serve_ab("/m", 1, log=lines.append, runner=lambda *a, **k: next(recs))
+    assert not res["tokens_equal"] and any("greedy tokens DIFFER" in line for line in lines)
+
+
+def test_serve_subprocess_arguments(tmp_path):
+    """`serve` in vLLM's python: flags as the CLI spells them (a list: its items; True: the flag alone)."""
+    p = tmp_path / "serve_python"
+    p.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps({{'argv': sys.argv[1:]}}))\n")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    res = vllm_ab.serve_subprocess("/ckpt", True, str(p), tp=2, concurrency=[1, 8], no_restart=True)
+    assert res["argv"] == ["-m", "gds_gather.benches.vllm_ab", "serve", "/ckpt", "--json", "--plugin", "--tp", "2",
+                           "--concurrency", "1", "8", "--no-restart"]
