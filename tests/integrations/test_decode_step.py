@@ -161,3 +161,31 @@ def test_recent_rows_are_bounded_and_emptied_with_the_row_caches():
     r.put(np.array([7]), rows[:1])
     rowcache.drop_all()
     assert r.get(torch.tensor([7])) is None and r.nbytes == 3 * 16
+
+
+def _bench_hf():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_hf.py"
+    spec = importlib.util.spec_from_file_location("bench_hf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_rounds_take_the_median_of_the_rounds_ratios():
+    p = _bench_hf()._paired({"resident": [10.0, 20.0, 40.0], "offloaded": [30.0, 20.0, 20.0]})
+    assert p == {"resident": 20.0, "offloaded": 20.0, "ratio": 1.0, "ratio_min": 0.5, "ratio_max": 3.0}
+
+
+def test_decode_benchmark_runs_both_batches_paired(model_dir, capsys):
+    """bench_hf.py decode on the tiny model (a few seconds): both batch sizes, generations equal, the figures."""
+    res = _bench_hf().main(["decode", str(model_dir), "--prompt", "8", "--new", "3", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert [b["batch"] for b in res["batches"]] == [1, 4] and all(b["generations_equal"] for b in res["batches"])
+    for b in res["batches"]:
+        assert b["ple_us"]["resident"] > 0 and b["ple_us"]["offloaded"] > 0 and b["step_ms"]["ratio"] > 0
+    assert "1 new token per step" in out and "4 new tokens per step" in out and "DIFFER" not in out
+    with pytest.raises(SystemExit):
+        _bench_hf().main(["decode", str(model_dir), "--new", "1"])
+    assert "decode needs --new >= 2" in capsys.readouterr().err
