@@ -109,14 +109,11 @@ class DiskEmbedding(torch.nn.Module):
             counts[0] += input_ids.numel()
             counts[1] += hit[1]
             return hit[0]
-        rows = self._read(input_ids)
-        return rows if scale is None else rows * scale
-
-    def _read(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
         if input_ids.is_cuda:
             self._check(ids_np)
-            return self._rows_cuda(input_ids, ids_np)
+            rows = self._rows_cuda(input_ids, ids_np)
+            return rows if scale is None else rows * scale
         flat = ids_np.reshape(-1)
         if flat.shape[0] <= SMALL_BATCH:        # a decode step: cached rows are one look-up, without plan or lock
             unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
@@ -124,12 +121,14 @@ class DiskEmbedding(torch.nn.Module):
                 bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
                 raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
             rows = self._as_torch(self.table.read_unique(unique, self.backend), unique)
-            self.recent.put(unique, rows)
+            rows = rows if scale is None else rows * scale
+            self.recent.put(unique, rows, scale)
         else:
             self._check(ids_np)
             plan = self.table.plan(ids_np)
             unique, inverse = plan.unique_rows, plan.inverse
             rows = self._as_torch(self.table.read_plan(plan, self.backend), unique)
+            rows = rows if scale is None else rows * scale      # (the unique rows: the same values, fewer products)
         counts = self._counts
         counts[0] += flat.shape[0]
         counts[1] += unique.shape[0]

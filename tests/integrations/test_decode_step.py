@@ -19,8 +19,9 @@ from gds_gather.integrations.recent_rows import RecentRows  # noqa: E402
 from gds_gather.integrations.transformers import from_pretrained  # noqa: E402
 from gds_gather.table import Table  # noqa: E402
 
-# torch ops a step that reads nothing must not run: a dtype conversion, a gather from a tensor made per step
-CONVERSIONS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::index_select", "aten::embedding")
+# torch ops a step that reads nothing must not run: a dtype conversion, a gather through an index tensor, the scale
+# multiply (its rows are held scaled)
+CONVERSIONS = ("aten::to", "aten::_to_copy", "aten::index_select", "aten::embedding", "aten::mul", "aten::mul_")
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +81,20 @@ def test_step_of_recent_rows_reads_nothing_and_allocates_its_output_only(model_d
         _count_reads(monkeypatch, off.gds_gather.table, calls)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             steps = [m(ids) for _ in range(10)]
-        steps.append(m.rows(ids) * m.scale())
     assert calls == {}, f"a decode step of rows read lately went through {calls}"
     ops = [e.name for e in prof.events()]
     assert not set(ops) & set(CONVERSIONS), ops
     allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
     assert allocs == [want.nbytes] * 10                 # each step: its output, nothing else
     assert torch.equal(first, want) and all(s.dtype == dtype and torch.equal(s, want) for s in steps)
-    assert m.recent.hits == 11 * ids.numel() and m.row_ids == 12 * ids.numel()
-    assert m.rows_read == 12 * len(set(ids.reshape(-1).tolist()))     # per call, after deduplication
+    assert m.recent.hits == 10 * ids.numel() and m.row_ids == 11 * ids.numel()
+    assert m.rows_read == 11 * len(set(ids.reshape(-1).tolist()))     # per call, after deduplication
     with torch.inference_mode():
         steps[0].add_(1)                                # a step's output is its own: the next is unchanged
         assert torch.equal(m(ids), want)
+        unscaled = ref.weight[ids]                      # rows() (vLLM's): held unscaled, apart from forward's
+        assert torch.equal(m.rows(ids), unscaled) and torch.equal(m.rows(ids), unscaled)
+        assert calls["read_unique"] == 1 and torch.equal(m(ids), want)
     off.gds_gather.close()
 
 
@@ -148,16 +151,26 @@ def test_recent_rows_are_bounded_and_emptied_with_the_row_caches():
     assert r.get(torch.tensor([1])) is None
     got, distinct = r.get(torch.tensor([[5, 3, 5]]))
     assert torch.equal(got, rows[[4, 2, 4]].reshape(1, 3, 4)) and distinct == 2
+    got, _ = r.get(torch.tensor([[5], [3]]))
+    assert torch.equal(got, rows[[4, 2]].reshape(2, 1, 4))
+    got, _ = r.get(torch.tensor([[5, 3], [3, 4]]))
+    assert torch.equal(got, rows[[4, 2, 2, 3]].reshape(2, 2, 4))
+    got, _ = r.get(torch.tensor(4))
+    assert torch.equal(got, rows[3])
     r.put(np.array([4, 6]), torch.full((2, 4), -1.0))            # 4 is held (kept as it was), 6 evicts 3
     assert r.get(torch.tensor([3])) is None
     got, _ = r.get(torch.tensor([4, 6, 5]))
     assert torch.equal(got, torch.stack([rows[3], torch.full((4,), -1.0), rows[4]]))
-    got, _ = r.get(torch.tensor([6]), torch.tensor(2.0))
-    assert torch.equal(got, torch.full((1, 4), -2.0))
     assert r.get(torch.arange(65) % 3 + 4) is None                 # more ids than a decode step: not looked up
-    assert r.hits == 3 + 3 + 1
+    assert r.hits == 3 + 2 + 4 + 1 + 3
+    scale = torch.tensor(2.0)                                    # rows of another scale: only for that scale
+    assert r.get(torch.tensor([6]), scale) is None
+    r.put(np.array([6]), torch.full((1, 4), -2.0), scale)
+    assert r.get(torch.tensor([4])) is None and r.get(torch.tensor([4]), scale) is None
+    assert torch.equal(r.get(torch.tensor([6]), scale)[0], torch.full((1, 4), -2.0))
+    assert r.get(torch.tensor([6]), torch.tensor(2.0)) is None      # (the same object, not an equal one)
     rowcache.empty_all()
-    assert r.get(torch.tensor([5])) is None                      # the row caches were emptied: so is this
+    assert r.get(torch.tensor([6]), scale) is None               # the row caches were emptied: so is this
     r.put(np.array([7]), rows[:1])
     rowcache.drop_all()
     assert r.get(torch.tensor([7])) is None and r.nbytes == 3 * 16
