@@ -186,7 +186,11 @@ class PerLayerEmbedding(DiskEmbedding):
         return m
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return ple_rows(input_ids, self.prefix)
+        # the op only where torch.compile traces the forward (it must stay opaque there); eager, its dispatch
+        # would cost more than a decode step's look-up itself
+        if torch.compiler.is_compiling():
+            return ple_rows(input_ids, self.prefix)
+        return self.rows(input_ids)
 
     def load_weights(self, weights) -> set:
         for _ in weights:           # the checkpoint's table: skipped (an mmap-backed tensor, never read)
