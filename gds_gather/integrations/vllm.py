@@ -18,10 +18,10 @@ module's exactly when the table holds the model's rows exactly (the checkpoint, 
 Where the lookup runs (vLLM 0.32):
 - Gemma4/Gemma3nForConditionalGeneration: in ``embed_input_ids``, eagerly, before the compiled/graph-captured
   forward, which reads a persistent buffer: safe with any compilation and CUDA graph mode.
-- Gemma4ForCausalLM (text only): inside the compiled ``Gemma4Model`` forward. The lookup is the opaque custom op
-  ``gds_gather::ple_rows`` (it plans reads on the host), which the plugin appends to
-  ``compilation_config.splitting_ops`` so vLLM runs it eagerly between the compiled pieces; full CUDA graphs
-  would capture it, so they are refused with the fix in the message (``cudagraph_mode="PIECEWISE"``).
+- Gemma4ForCausalLM (text only): inside the compiled ``Gemma4Model`` forward. There the lookup is the opaque custom
+  op ``gds_gather::ple_rows`` (it plans reads on the host; eager, the module calls its rows directly), which the
+  plugin appends to ``compilation_config.splitting_ops`` so vLLM runs it eagerly between the compiled pieces; full
+  CUDA graphs would capture it, so they are refused with the fix in the message (``cudagraph_mode="PIECEWISE"``).
 - Gemma3nForCausalLM (text only): vLLM 0.32 never calls the table there (its per-layer inputs are the projection
   alone); the weight is still not allocated.
 
