@@ -4,12 +4,14 @@ gds_gather.integrations.transformers.
 
     python3 bench/bench_hf.py make-model DIR [--kind gemma4] [--vocab 262144]   # the real per-layer shape, tiny trunk
     python3 bench/bench_hf.py memory DIR          # each load in a fresh process: peak / RSS after load and a forward
-    python3 bench/bench_hf.py decode DIR          # the PLE module per decode step, and greedy generate ms/token A/B
+    python3 bench/bench_hf.py decode DIR          # the PLE module per decode step, generate ms/token: paired A/B
 
 make-model writes a random Gemma 4 (or Gemma 3n) text model with the real per-layer embedding shape (vocab x 4
 layers x 256 = 512 MiB in bf16 at vocab 262,144) and a tiny trunk (hidden 64). memory runs each case in a new
-process (VmHWM / VmRSS from /proc/self/status). decode times the per-layer embedding module on a 1-token lookup
-whose row is cached, and greedy generation offloaded vs resident, interleaved rounds, medians (min-max).
+process (VmHWM / VmRSS from /proc/self/status). decode times the per-layer embedding module on 1 and 4 ids whose
+rows were read before, in a loop; then, in one process, greedy generation of 1 and of 4 sequences (1 and 4 new
+tokens per decode step), offloaded and resident in paired rounds: the module's time per decode step inside
+generate and generate's time per decode step, each way's median and the median of the rounds' ratios (min-max).
 """
 from __future__ import annotations
 
@@ -125,11 +127,43 @@ def _ple_step_us(module, ids, n: int = 2000) -> float:
     return statistics.median(times) / 1e3
 
 
-def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: str = "auto") -> dict:
-    """The PLE module's cost per decode step, and greedy generate ms/token, offloaded vs resident (interleaved)."""
+def _paired(xs: dict) -> dict:
+    """Medians of paired rounds {"resident": [...], "offloaded": [...]}: each way's median, the median of the
+    per-round ratios offloaded / resident and their min-max (how noisy the pairs were)."""
+    ratios = [o / r for r, o in zip(xs["resident"], xs["offloaded"])]
+    return {"resident": statistics.median(xs["resident"]), "offloaded": statistics.median(xs["offloaded"]),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def decode_batch(ref, off, batch: int, prompt: int, new: int, rounds: int) -> dict:
+    """Greedy generate of `batch` sequences (`batch` new tokens per decode step), resident and offloaded in paired
+    rounds (the order alternating; round 0 a warm-up): per round, the PLE module's median time per decode step and
+    generate's decode time per step ((generate - the prompt's forward) / (new - 1)). Paired medians (_paired)."""
+    import torch
+    from gds_gather.benches.hf_ab import forward_times, generate_once
+    vocab = ref.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    ple = {"resident": [], "offloaded": []}          # us inside the PLE module per decode step, each round's median
+    step = {"resident": [], "offloaded": []}         # ms of generate per decode step, each round
+    outs = {}
+    for i in range(rounds + 1):
+        for name, m in (("resident", ref), ("offloaded", off)) if i % 2 == 0 else (("offloaded", off),
+                                                                                   ("resident", ref)):
+            with forward_times(m.get_per_layer_input_embeddings()) as calls, forward_times(m) as fwd:
+                per_token, outs[name] = generate_once(m, ids, new)
+            if i:
+                ple[name].append(statistics.median(calls[1:]) * 1e6)          # calls[0]: the prompt
+                step[name].append((per_token * new - fwd[0]) / (new - 1) * 1e3)
+    return {"batch": batch, "ple_us": _paired(ple), "step_ms": _paired(step),
+            "generations_equal": bool(torch.equal(outs["resident"], outs["offloaded"]))}
+
+
+def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: str = "auto",
+           batches=(1, 4)) -> dict:
+    """The PLE module's cost per decode step in a loop and inside greedy generate, and generate's decode time per
+    step, offloaded vs resident in paired rounds, for each batch size (new tokens per step)."""
     import torch
     import transformers
-    from gds_gather.benches.hf_ab import forward_times, generate_once
     from gds_gather.integrations.transformers import from_pretrained
     dt = dtype if dtype == "auto" else getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
@@ -137,78 +171,63 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
     vocab = ref.config.get_text_config().vocab_size
     one = torch.tensor([[1234 % vocab]])
     few = torch.tensor([[1234 % vocab, 99, 7, 1234 % vocab]])
-    off.get_per_layer_input_embeddings()(one)                 # rows now in the row cache
+    off.get_per_layer_input_embeddings()(one)                 # rows now read
     off.get_per_layer_input_embeddings()(few)
+    load0 = os.getloadavg()[0]
     res = {"ple_us_resident_1": _ple_step_us(ref.get_per_layer_input_embeddings(), one),
            "ple_us_offloaded_1": _ple_step_us(off.get_per_layer_input_embeddings(), one),
            "ple_us_resident_4": _ple_step_us(ref.get_per_layer_input_embeddings(), few),
-           "ple_us_offloaded_4": _ple_step_us(off.get_per_layer_input_embeddings(), few)}
-    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
-    ms = {"resident": [], "offloaded": []}
-    ple = {"resident": [], "offloaded": []}         # ms inside the PLE module: a decode step (median), the prompt
-    ple_prompt = {"resident": [], "offloaded": []}
-    steps = {"resident": [], "offloaded": []}       # ms of each decode step's model forward (all rounds)
-    outs = {}
-    for i in range(rounds + 1):
-        for name, m in (("resident", ref), ("offloaded", off)) if i % 2 == 0 else (("offloaded", off),
-                                                                                   ("resident", ref)):
-            with forward_times(m.get_per_layer_input_embeddings()) as calls, forward_times(m) as fwd:
-                per_token, outs[name] = generate_once(m, ids, new)
-            if i:                                   # round 0 is the warm-up
-                ms[name].append(per_token * 1e3)
-                ple[name].append(statistics.median(calls[1:]) * 1e3)      # the decode steps (calls[0]: prompt)
-                ple_prompt[name].append(calls[0] * 1e3)
-                steps[name].extend(x * 1e3 for x in fwd[1:])
-    res.update({f"generate_ms_per_token_{k}": statistics.median(v) for k, v in ms.items()})
-    res.update({f"generate_ms_spread_{k}": [min(v), max(v)] for k, v in ms.items()})
-    res.update({f"generate_ple_ms_per_step_{k}": statistics.median(v) for k, v in ple.items()})
-    res.update({f"generate_ple_ms_prompt_{k}": statistics.median(v) for k, v in ple_prompt.items()})
-    res["generate_ratio"] = res["generate_ms_per_token_offloaded"] / res["generate_ms_per_token_resident"]
-    res["generations_equal"] = bool(torch.equal(outs["resident"], outs["offloaded"]))
-    res.update({f"step_ms_{k}": statistics.median(v) for k, v in steps.items()})
-    res["step_ratio"] = res["step_ms_offloaded"] / res["step_ms_resident"]
-    print(f"model {model_dir}, {off.dtype}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"PLE module, 1 cached token: resident {res['ple_us_resident_1']:.1f} us, offloaded "
-          f"{res['ple_us_offloaded_1']:.1f} us; 4 tokens: {res['ple_us_resident_4']:.1f} vs "
-          f"{res['ple_us_offloaded_4']:.1f} us (median of 2000 calls)")
-    print(f"greedy generate, {prompt}-token prompt, {new} new tokens, {rounds} interleaved rounds: resident "
-          f"{res['generate_ms_per_token_resident']:.2f} ms/token ({ms['resident'] and min(ms['resident']):.2f}-"
-          f"{max(ms['resident']):.2f}), offloaded {res['generate_ms_per_token_offloaded']:.2f} "
-          f"({min(ms['offloaded']):.2f}-{max(ms['offloaded']):.2f}) = {res['generate_ratio']:.3f}x; "
-          f"generations {'equal' if res['generations_equal'] else 'DIFFER'}")
-    print(f"one decode step's model forward, median of {len(steps['resident'])} steps each: resident "
-          f"{res['step_ms_resident']:.2f} ms, offloaded {res['step_ms_offloaded']:.2f} ms = {res['step_ratio']:.3f}x")
-    print(f"inside the PLE module in generate: a decode step resident "
-          f"{res['generate_ple_ms_per_step_resident'] * 1e3:.0f} us,"
-          f" offloaded {res['generate_ple_ms_per_step_offloaded'] * 1e3:.0f} us (medians); the {prompt}-token prompt "
-          f"{res['generate_ple_ms_prompt_resident']:.2f} vs {res['generate_ple_ms_prompt_offloaded']:.2f} ms")
+           "ple_us_offloaded_4": _ple_step_us(off.get_per_layer_input_embeddings(), few),
+           "batches": [decode_batch(ref, off, b, prompt, new, rounds) for b in batches]}
+    res["load_average"] = [load0, os.getloadavg()[0]]
+    print(f"model {model_dir}, {off.dtype}; load average {load0:.1f} -> {res['load_average'][1]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"PLE module in a loop (median of 2000 calls), 1 token: resident {res['ple_us_resident_1']:.1f} us, "
+          f"offloaded {res['ple_us_offloaded_1']:.1f} us; 4 tokens: {res['ple_us_resident_4']:.1f} vs "
+          f"{res['ple_us_offloaded_4']:.1f} us")
+    print(f"greedy generate, {prompt}-token prompts, {new} new tokens, {rounds} paired rounds (medians; offloaded / "
+          f"resident: the median of the rounds' ratios, their min-max):")
+    for b in res["batches"]:
+        p, s = b["ple_us"], b["step_ms"]
+        print(f"  {b['batch']} new token{'s' if b['batch'] > 1 else ''} per step: PLE module per decode step "
+              f"resident {p['resident']:.0f} us, offloaded {p['offloaded']:.0f} us = {p['ratio']:.2f}x "
+              f"({p['ratio_min']:.2f}-{p['ratio_max']:.2f}); generate resident {s['resident']:.2f} ms/step "
+              f"({s['resident'] / b['batch']:.2f} ms/token), offloaded {s['offloaded']:.2f} ms/step "
+              f"({s['offloaded'] / b['batch']:.2f} ms/token) = {s['ratio']:.3f}x ({s['ratio_min']:.3f}-"
+              f"{s['ratio_max']:.3f}); generations {'equal' if b['generations_equal'] else 'DIFFER'}")
     st = off.gds_gather.table.stats()
-    print(f"offloaded rows: {st['rows_from_cache']:,} from the row cache, {st['rows_from_page_cache']:,} from the page "
-          f"cache, {st['rows_from_device']:,} from the device")
+    m = off.get_per_layer_input_embeddings()
+    print(f"offloaded rows: {m.recent.hits:,} ids from the rows read lately, {st['rows_from_cache']:,} rows from the "
+          f"row cache, {st['rows_from_page_cache']:,} from the page cache, {st['rows_from_device']:,} from the device")
     return res
 
 
 def main(argv=None) -> dict | list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("make-model")
-    s.add_argument("dir")
-    s.add_argument("--kind", default="gemma4", choices=("gemma4", "gemma3n"))
-    s.add_argument("--vocab", type=int, default=262144)
-    s = sub.add_parser("memory")
-    s.add_argument("dir")
-    s.add_argument("--tokens", type=int, default=2048)
-    s = sub.add_parser("case")
-    s.add_argument("case", choices=CASES)
-    s.add_argument("dir")
-    s.add_argument("--tokens", type=int, default=2048)
-    s = sub.add_parser("decode")
-    s.add_argument("dir")
-    s.add_argument("--prompt", type=int, default=512)
-    s.add_argument("--new", type=int, default=64)
-    s.add_argument("--rounds", type=int, default=5)
-    s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    s = sub.add_parser("make-model", help="write a random model with the real per-layer embedding shape")
+    s.add_argument("dir", help="the model directory to write")
+    s.add_argument("--kind", default="gemma4", choices=("gemma4", "gemma3n"), help="model family (default gemma4)")
+    s.add_argument("--vocab", type=int, default=262144, help="vocabulary (default 262144, the real one)")
+    s = sub.add_parser("memory", help="load memory, resident vs offloaded, each load in a fresh process")
+    s.add_argument("dir", help="a model directory (make-model)")
+    s.add_argument("--tokens", type=int, default=2048, help="tokens of the forward after the load (default 2048)")
+    s = sub.add_parser("case", help="one load of `memory` in this process (its JSON last line)")
+    s.add_argument("case", choices=CASES, help="which load")
+    s.add_argument("dir", help="a model directory (make-model)")
+    s.add_argument("--tokens", type=int, default=2048, help="tokens of the forward after the load (default 2048)")
+    s = sub.add_parser("decode", help="the PLE module per decode step and generate per step, paired A/B")
+    s.add_argument("dir", help="a model directory (make-model)")
+    s.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    s.add_argument("--new", type=int, default=64, help="new tokens per generate, at least 2 (default 64)")
+    s.add_argument("--rounds", type=int, default=5, help="paired rounds after a warm-up round (default 5)")
+    s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the models' dtype (default auto: the checkpoint's)")
+    s.add_argument("--batches", default="1,4", help="sequences per generate, i.e. new tokens per decode step "
+                   "(comma-separated; default 1,4)")
     a = ap.parse_args(argv)
+    if a.cmd == "decode" and (a.new < 2 or a.rounds < 1 or a.prompt < 1):
+        ap.error("decode needs --new >= 2, --rounds >= 1 and --prompt >= 1")
     if a.cmd == "make-model":
         make_model(a.dir, a.kind, a.vocab)
         return {}
@@ -218,7 +237,7 @@ def main(argv=None) -> dict | list:
         return r
     if a.cmd == "memory":
         return memory(a.dir, a.tokens)
-    return decode(a.dir, a.prompt, a.new, a.rounds, a.dtype)
+    return decode(a.dir, a.prompt, a.new, a.rounds, a.dtype, [int(b) for b in a.batches.split(",")])
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def check_budget(cfg_bytes: int, table_bytes: int, limits: memory.Limits) -> Non
 
 _CACHES: OrderedDict = OrderedDict()
 _CACHES_LOCK = threading.Lock()
-_GENERATION = 0                       # generation(): moved by drop_all and in a forked child
+_GENERATION = 0                       # generation(): moved by drop_all, empty_all and in a forked child
 
 
 def cache_for(table) -> RowCache | None:
@@ -138,7 +138,9 @@ def empty_all() -> None:
     """Forget every row of every row cache of this process, keeping their memory (benchmarks: a cold pass of a
     process whose cache has been used, without a first touch of fresh memory that a virtual machine sometimes
     makes 20x slower; docs/decisions/cold-pass-method.md)."""
+    global _GENERATION
     with _CACHES_LOCK:
+        _GENERATION += 1
         caches = list(_CACHES.values())
     for c in caches:
         c.clear()
@@ -179,8 +181,8 @@ def read_hits(cache: RowCache, reader, rows: np.ndarray, io: dict) -> np.ndarray
 
 
 def generation() -> int:
-    """Changes whenever the caches cache_for handed out may all have been dropped (drop_all, a forked child): a
-    holder of one checks it before using its copy."""
+    """Changes whenever the caches cache_for handed out may all have been dropped or emptied (drop_all, empty_all,
+    a forked child): a holder of one, or of rows from one, checks it before using its copy."""
     return _GENERATION
 
 

@@ -13,10 +13,11 @@ from ..backends import resolve
 from ..errors import BadIdsError, ModelMismatchError, TableClosedError
 from ..formats.quants import Q
 from ..table import Table
+from .recent_rows import RecentRows
 
 log = logging.getLogger(__name__)
 
-SMALL_BATCH = 64       # ids per call served by Table.read_unique (no plan on row-cache hits): decode steps
+SMALL_BATCH = 64       # ids per call read by Table.read_unique (no plan on row-cache hits) and kept in RecentRows
 FLOAT_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -62,6 +63,7 @@ class DiskEmbedding(torch.nn.Module):
         self._scale = (None, None)    # (embed_scale buffer, it in the weight dtype): converted once per buffer
         self._as_dtype = FLOAT_TORCH.get(table.qtype)    # a float table's rows are viewed as this dtype
         self.device_backend = None    # (backend, mode, why) after the first CUDA call
+        self.recent = RecentRows(self.embedding_dim, weight_dtype)     # rows read lately: a decode step's hits
 
     @property
     def row_ids(self) -> int:
@@ -70,7 +72,8 @@ class DiskEmbedding(torch.nn.Module):
 
     @property
     def rows_read(self) -> int:
-        """Unique rows read after per-call deduplication (cumulative)."""
+        """Unique rows after per-call deduplication (cumulative), wherever they came from: the file, the page cache,
+        the row cache or the rows read lately (RecentRows)."""
         return self._counts[1]
 
     def extra_repr(self) -> str:
@@ -87,31 +90,48 @@ class DiskEmbedding(torch.nn.Module):
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows in the weight dtype, shape ids.shape + (embedding_dim,), on the ids' device."""
+        return self._lookup(input_ids, None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._lookup(input_ids, self.scale())
+
+    def _lookup(self, input_ids: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """rows(ids), times scale where given: from the rows read lately where they hold every id (a decode step:
+        no read, plan, lock or conversion), else read from the table."""
         if self.table.closed:
             raise TableClosedError(f"the per-layer embedding table {self.table.path} was closed (handle.close(), or "
                                    f"the end of a `with` block): this model cannot compute its per-layer inputs any "
                                    f"more; load it again (gds_gather.integrations.transformers.from_pretrained) "
                                    f"or keep the handle open")
+        hit = self.recent.get(input_ids, scale)
+        if hit is not None:
+            counts = self._counts
+            counts[0] += input_ids.numel()
+            counts[1] += hit[1]
+            return hit[0]
         ids_np = input_ids.detach().cpu().numpy()       # CUDA ids: one small copy down (the plan is made on the host)
         if input_ids.is_cuda:
             self._check(ids_np)
-            return self._rows_cuda(input_ids, ids_np)
+            rows = self._rows_cuda(input_ids, ids_np)
+            return rows if scale is None else rows * scale
         flat = ids_np.reshape(-1)
         if flat.shape[0] <= SMALL_BATCH:        # a decode step: cached rows are one look-up, without plan or lock
             unique, inverse = (flat, None) if flat.shape[0] == 1 else np.unique(flat, return_inverse=True)
             if unique.shape[0] and not 0 <= int(unique[0]) <= int(unique[-1]) < self.num_embeddings:
                 bad = int(unique[0]) if unique[0] < 0 else int(unique[-1])
                 raise BadIdsError(f"token id {bad} out of range [0, {self.num_embeddings})")
-            raw = self.table.read_unique(unique, self.backend)
+            rows = self._as_torch(self.table.read_unique(unique, self.backend), unique)
+            rows = rows if scale is None else rows * scale
+            self.recent.put(unique, rows, scale)
         else:
             self._check(ids_np)
             plan = self.table.plan(ids_np)
             unique, inverse = plan.unique_rows, plan.inverse
-            raw = self.table.read_plan(plan, self.backend)
+            rows = self._as_torch(self.table.read_plan(plan, self.backend), unique)
+            rows = rows if scale is None else rows * scale      # (the unique rows: the same values, fewer products)
         counts = self._counts
         counts[0] += flat.shape[0]
         counts[1] += unique.shape[0]
-        rows = self._as_torch(raw, unique)
         if inverse is not None:
             rows = rows.index_select(0, torch.from_numpy(inverse.reshape(-1)))
         return rows.reshape(tuple(input_ids.shape) + (self.embedding_dim,))
@@ -138,9 +158,6 @@ class DiskEmbedding(torch.nn.Module):
         with torch.cuda.device(input_ids.device):
             return t.gather(input_ids, self.backend, dtype=self.weight_dtype,
                             stream=torch.cuda.current_stream(input_ids.device), host_ids=ids_np)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(input_ids) * self.scale()
 
     def scale(self) -> torch.Tensor:
         """embed_scale in the weight dtype, converted once per buffer (a move to another device replaces it)."""

@@ -18,10 +18,10 @@ module's exactly when the table holds the model's rows exactly (the checkpoint, 
 Where the lookup runs (vLLM 0.32):
 - Gemma4/Gemma3nForConditionalGeneration: in ``embed_input_ids``, eagerly, before the compiled/graph-captured
   forward, which reads a persistent buffer: safe with any compilation and CUDA graph mode.
-- Gemma4ForCausalLM (text only): inside the compiled ``Gemma4Model`` forward. The lookup is the opaque custom op
-  ``gds_gather::ple_rows`` (it plans reads on the host), which the plugin appends to
-  ``compilation_config.splitting_ops`` so vLLM runs it eagerly between the compiled pieces; full CUDA graphs
-  would capture it, so they are refused with the fix in the message (``cudagraph_mode="PIECEWISE"``).
+- Gemma4ForCausalLM (text only): inside the compiled ``Gemma4Model`` forward. There the lookup is the opaque custom
+  op ``gds_gather::ple_rows`` (it plans reads on the host; eager, the module calls its rows directly), which the
+  plugin appends to ``compilation_config.splitting_ops`` so vLLM runs it eagerly between the compiled pieces; full
+  CUDA graphs would capture it, so they are refused with the fix in the message (``cudagraph_mode="PIECEWISE"``).
 - Gemma3nForCausalLM (text only): vLLM 0.32 never calls the table there (its per-layer inputs are the projection
   alone); the weight is still not allocated.
 
@@ -195,7 +195,11 @@ class PerLayerEmbedding(DiskEmbedding):
         return m
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return ple_rows(input_ids, self.prefix)
+        # the op only where torch.compile traces the forward (it must stay opaque there); eager, its dispatch
+        # would cost more than a decode step's look-up itself
+        if torch.compiler.is_compiling():
+            return ple_rows(input_ids, self.prefix)
+        return self.rows(input_ids)
 
     def load_weights(self, weights) -> set:
         for _ in weights:           # the checkpoint's table: skipped (an mmap-backed tensor, never read)

@@ -1,7 +1,10 @@
-"""A decode step's per-layer embedding with its row in the row cache: one look-up and one copy, without the table's
-lock, read_plan, a plan or a cache_for call, and the same values as transformers' own module."""
+"""A decode step's per-layer embedding. With its rows read lately (RecentRows): no table read, plan, lock, dtype
+conversion or numpy call, and one allocation, its output. With its rows only in the row cache: one look-up and
+one copy, without the table's lock, read_plan, a plan or a cache_for call. Both give transformers' own module's
+values. Each test builds a tiny model (vocab 512) and takes about a second."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,8 +13,15 @@ transformers = pytest.importorskip("transformers")
 import gds_gather.table as table_mod  # noqa: E402
 from gds_gather.benches.tiny import tiny  # noqa: E402
 from gds_gather.cache import rowcache  # noqa: E402
+from gds_gather.errors import BadIdsError  # noqa: E402
+from gds_gather.integrations import disk_embedding  # noqa: E402
+from gds_gather.integrations.recent_rows import RecentRows  # noqa: E402
 from gds_gather.integrations.transformers import from_pretrained  # noqa: E402
 from gds_gather.table import Table  # noqa: E402
+
+# torch ops a step that reads nothing must not run: a dtype conversion, a gather through an index tensor, the scale
+# multiply (its rows are held scaled)
+CONVERSIONS = ("aten::to", "aten::_to_copy", "aten::index_select", "aten::embedding", "aten::mul", "aten::mul_")
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +52,57 @@ def _count(monkeypatch, owner, name, calls):
     monkeypatch.setattr(owner, name, counted)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cached_decode_step_takes_no_plan_nor_lock_path(model_dir, monkeypatch, dtype):
+def _count_reads(monkeypatch, table, calls):
+    """Count the table's lock and every step of a read: planning, the row cache, dequantizing, converting."""
+    monkeypatch.setattr(table, "_lock", _CountingLock(table._lock, calls))
+    for owner, name in ((Table, "read_plan"), (Table, "plan"), (table_mod, "plan_rows"), (rowcache, "cache_for"),
+                        (Table, "read_unique"), (Table, "dequantize"), (disk_embedding.DiskEmbedding, "_as_torch"),
+                        (RecentRows, "put"), (np, "unique"), (np, "ascontiguousarray")):
+        _count(monkeypatch, owner, name, calls)
+
+
+def _models(model_dir, dtype):
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).get_per_layer_input_embeddings()
     off = from_pretrained(model_dir, dtype=dtype)
-    m = off.get_per_layer_input_embeddings()
-    rowcache.empty_all()                    # (the other dtype's test cached rows of the same file)
+    rowcache.empty_all()                    # (another test cached rows of the same file)
+    return ref, off, off.get_per_layer_input_embeddings()
+
+
+@pytest.mark.parametrize("ids", [[[37]], [[37, 38, 37, 5]], [[37], [5]]], ids=["1 id", "4 ids", "batch of 2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_of_recent_rows_reads_nothing_and_allocates_its_output_only(model_dir, monkeypatch, dtype, ids):
+    from torch.profiler import ProfilerActivity, profile
+    ref, off, m = _models(model_dir, dtype)
+    ids = torch.tensor(ids)
+    want = ref(ids)
+    with torch.inference_mode():
+        first = m(ids)                      # a miss: read, converted, kept
+        calls = {}
+        _count_reads(monkeypatch, off.gds_gather.table, calls)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            steps = [m(ids) for _ in range(10)]
+    assert calls == {}, f"a decode step of rows read lately went through {calls}"
+    ops = [e.name for e in prof.events()]
+    assert not set(ops) & set(CONVERSIONS), ops
+    allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    assert allocs == [want.nbytes] * 10                 # each step: its output, nothing else
+    assert torch.equal(first, want) and all(s.dtype == dtype and torch.equal(s, want) for s in steps)
+    assert m.recent.hits == 10 * ids.numel() and m.row_ids == 11 * ids.numel()
+    assert m.rows_read == 11 * len(set(ids.reshape(-1).tolist()))     # per call, after deduplication
+    with torch.inference_mode():
+        steps[0].add_(1)                                # a step's output is its own: the next is unchanged
+        assert torch.equal(m(ids), want)
+        unscaled = ref.weight[ids]                      # rows() (vLLM's): held unscaled, apart from forward's
+        assert torch.equal(m.rows(ids), unscaled) and torch.equal(m.rows(ids), unscaled)
+        assert calls["read_unique"] == 1 and torch.equal(m(ids), want)
+    off.gds_gather.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_decode_step_takes_no_plan_nor_lock_path(model_dir, monkeypatch, dtype):
+    """Rows in the row cache only (no recent rows: a budget of none): one look-up, no plan, no lock."""
+    ref, off, m = _models(model_dir, dtype)
+    m.recent = RecentRows(m.embedding_dim, dtype, budget=0)
     ids = torch.tensor([[37]])
     with torch.inference_mode():
         first = m(ids)                      # a miss: read, then admitted to the row cache
@@ -63,10 +118,87 @@ def test_cached_decode_step_takes_no_plan_nor_lock_path(model_dir, monkeypatch, 
         want = ref(ids)
         assert torch.equal(first, want)
         assert all(torch.equal(s, want) for s in steps)
-        assert m.row_ids == 22 and m.rows_read == 22
+        assert m.row_ids == 22 and m.rows_read == 22 and m.recent.hits == 0
         st = off.gds_gather.table.stats()
         assert st["rows_from_cache"] >= 21
         new = torch.tensor([[38, 37, 38]])    # a miss among hits still goes the whole way, counted once
         assert torch.equal(m(new), ref(new))
         assert calls.get("table lock") == 1
     off.gds_gather.close()
+
+
+def test_a_miss_among_recent_rows_reads_the_call_once(model_dir, monkeypatch):
+    ref, off, m = _models(model_dir, torch.bfloat16)
+    m(torch.tensor([[37]]))
+    calls = {}
+    _count_reads(monkeypatch, off.gds_gather.table, calls)
+    new = torch.tensor([[38, 37, 38]])
+    assert torch.equal(m(new), ref(new))
+    assert calls["read_unique"] == 1 and calls["put"] == 1
+    assert torch.equal(m(new), ref(new)) and calls["read_unique"] == 1        # now all held
+    for bad in ([[-1]], [[37, 512]]):       # never a hit, whatever is held: the read says which id
+        with pytest.raises(BadIdsError, match="out of range"):
+            m(torch.tensor(bad))
+    off.gds_gather.close()
+
+
+def test_recent_rows_are_bounded_and_emptied_with_the_row_caches():
+    r = RecentRows(4, torch.float32, budget=3 * 4 * 4 + 7)         # three rows
+    assert r.capacity == 3 and r.nbytes == 0 and r.get(torch.tensor([1])) is None
+    rows = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    r.put(np.array([1, 2, 3, 4, 5]), rows)                       # the last three are kept
+    assert r.nbytes == 3 * 16
+    assert r.get(torch.tensor([1])) is None
+    got, distinct = r.get(torch.tensor([[5, 3, 5]]))
+    assert torch.equal(got, rows[[4, 2, 4]].reshape(1, 3, 4)) and distinct == 2
+    got, _ = r.get(torch.tensor([[5], [3]]))
+    assert torch.equal(got, rows[[4, 2]].reshape(2, 1, 4))
+    got, _ = r.get(torch.tensor([[5, 3], [3, 4]]))
+    assert torch.equal(got, rows[[4, 2, 2, 3]].reshape(2, 2, 4))
+    got, _ = r.get(torch.tensor(4))
+    assert torch.equal(got, rows[3])
+    r.put(np.array([4, 6]), torch.full((2, 4), -1.0))            # 4 is held (kept as it was), 6 evicts 3
+    assert r.get(torch.tensor([3])) is None
+    got, _ = r.get(torch.tensor([4, 6, 5]))
+    assert torch.equal(got, torch.stack([rows[3], torch.full((4,), -1.0), rows[4]]))
+    assert r.get(torch.arange(65) % 3 + 4) is None                 # more ids than a decode step: not looked up
+    assert r.hits == 3 + 2 + 4 + 1 + 3
+    scale = torch.tensor(2.0)                                    # rows of another scale: only for that scale
+    assert r.get(torch.tensor([6]), scale) is None
+    r.put(np.array([6]), torch.full((1, 4), -2.0), scale)
+    assert r.get(torch.tensor([4])) is None and r.get(torch.tensor([4]), scale) is None
+    assert torch.equal(r.get(torch.tensor([6]), scale)[0], torch.full((1, 4), -2.0))
+    assert r.get(torch.tensor([6]), torch.tensor(2.0)) is None      # (the same object, not an equal one)
+    rowcache.empty_all()
+    assert r.get(torch.tensor([6]), scale) is None               # the row caches were emptied: so is this
+    r.put(np.array([7]), rows[:1])
+    rowcache.drop_all()
+    assert r.get(torch.tensor([7])) is None and r.nbytes == 3 * 16
+
+
+def _bench_hf():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_hf.py"
+    spec = importlib.util.spec_from_file_location("bench_hf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_rounds_take_the_median_of_the_rounds_ratios():
+    p = _bench_hf()._paired({"resident": [10.0, 20.0, 40.0], "offloaded": [30.0, 20.0, 20.0]})
+    assert p == {"resident": 20.0, "offloaded": 20.0, "ratio": 1.0, "ratio_min": 0.5, "ratio_max": 3.0}
+
+
+def test_decode_benchmark_runs_both_batches_paired(model_dir, capsys):
+    """bench_hf.py decode on the tiny model (a few seconds): both batch sizes, generations equal, the figures."""
+    res = _bench_hf().main(["decode", str(model_dir), "--prompt", "8", "--new", "3", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert [b["batch"] for b in res["batches"]] == [1, 4] and all(b["generations_equal"] for b in res["batches"])
+    for b in res["batches"]:
+        assert b["ple_us"]["resident"] > 0 and b["ple_us"]["offloaded"] > 0 and b["step_ms"]["ratio"] > 0
+    assert "1 new token per step" in out and "4 new tokens per step" in out and "DIFFER" not in out
+    with pytest.raises(SystemExit):
+        _bench_hf().main(["decode", str(model_dir), "--new", "1"])
+    assert "decode needs --new >= 2" in capsys.readouterr().err

@@ -423,10 +423,15 @@ def test_table_from_converted_gguf_and_decode_path(models, tmp_path):
     assert h.table.path == gguf and h.verified_rows > 2 and h.exact
     _same(ref, model, _ids(2))
     a, b = ref.get_per_layer_input_embeddings(), model.get_per_layer_input_embeddings()
+    b.recent.clear()
+    hits = b.recent.hits
     with torch.no_grad():
         for ids in ([[5]], [[5]], [[7, 5, 7, VOCAB - 1]], [[0]]):       # misses, then row-cache hits
             t = torch.tensor(ids)
             assert torch.equal(a(t), b(t))
+        assert b.recent.hits - hits == 1                                # the second [[5]]: a rows-read-lately hit
+        b.recent.clear()
+        assert torch.equal(a(torch.tensor([[5]])), b(torch.tensor([[5]])))
     assert h.table.stats()["rows_from_cache"] > 0
     for bad in ([[VOCAB]], [[-1]], [[3, VOCAB + 5]]):
         with pytest.raises(BadIdsError, match="out of range"):
