@@ -108,6 +108,15 @@ class CapError(GatherError):
     """A memory cgroup for `bench gather --memory-limit` cannot be made or used here (benches/memcap.py)."""
 
 
+class ServerExited(GatherError, RuntimeError):
+    """A vLLM server (benches/vllm_server.py) exited before it answered /health: its exit status, its log, whether
+    its port ever accepted a connection."""
+
+    def __init__(self, rc: int, log: str, port_opened: bool):
+        super().__init__(f"the vLLM server exited with status {rc} before it was ready:\n{log[-6000:]}")
+        self.rc, self.log, self.port_opened = rc, log, port_opened
+
+
 class CompileError(BackendError):
     """The compiler refused a run-time build (io/cbuild.py); `output` is what it printed (stderr)."""
 

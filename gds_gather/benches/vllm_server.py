@@ -29,6 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import ServerExited
+
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 HOST = "127.0.0.1"
 # Pipeline parallel on vLLM 0.32's CPU engine: a later stage's buffer for the tensors it receives is allocated only
@@ -36,14 +38,6 @@ HOST = "127.0.0.1"
 # compilation mode 1 with the `eager` backend runs the warm-up without compiling anything.
 PP_COMPILATION = '{"mode": 1, "backend": "eager"}'
 QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-
-
-class ServerExited(RuntimeError):
-    """The server exited before it answered /health."""
-
-    def __init__(self, rc: int, log: str, port_opened: bool):
-        super().__init__(f"the vLLM server exited with status {rc} before it was ready:\n{log[-6000:]}")
-        self.rc, self.log, self.port_opened = rc, log, port_opened
 
 
 def free_port() -> int:
