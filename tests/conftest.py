@@ -168,6 +168,16 @@ def fresh_row_caches():
 
 
 @pytest.fixture
+def fresh_device_caches():
+    """Every device row cache dropped before the test and after it; modules ask for it with
+    pytestmark = pytest.mark.usefixtures("fresh_device_caches")."""
+    from gds_gather.gpu import devcache
+    devcache.drop_all()
+    yield
+    devcache.drop_all()
+
+
+@pytest.fixture
 def small_table(tmp_path):
     """A 300-row IQ4_NL table of width 160 (90 B rows; several straddle 4 KiB blocks)."""
     rows = valid_rows(Q.IQ4_NL, 300, 160, seed=1)

@@ -18,14 +18,12 @@ import pytest
 
 from gds_gather.errors import RowWidthError, UnsupportedTypeError
 from gds_gather.formats import quants
-from gds_gather.gpu import arrays
 from gds_gather.gpu import dequant as dg
 from gds_gather.gpu import host_kernels as hk
-from gds_gather.gpu import tables
 from gds_gather.gpu.host import HostAccel, HostArray, numpy_view
 
-from .test_fp8_kernels import _Ctx, _Dev, assert_same, fp8_value, laid_out, rounded, scale_bytes, scale_values, \
-    with_output_scale
+from .test_fp8_kernels import (DevArray, assert_same, fp8_value, host_launches, laid_out, rounded, scale_bytes,
+                               scale_values, with_output_scale)
 
 DTYPES = ("float32", "float16", "bfloat16")
 TINY = np.finfo(np.float32).tiny
@@ -38,13 +36,6 @@ SMULS = (1.0, 2.0**-7, 1 / 2688, 0.1, 3.0, 2.0**-126, 1e-40, 1e38)
 # of two (24), and one scale per row (160).
 GEOMETRIES = ((160, 16, None), (256, 16, 2), (160, 16, 4), (256, 32, None), (160, 8, None), (160, 12, None),
               (168, 24, 7), (160, 160, None))
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not hk.host_compiler_available():
-        pytest.skip("no C++ compiler (g++/clang++) or nvcc: the host build of the kernels cannot be checked")
-    return hk.host_library()
 
 
 # ---- the oracle ------------------------------------------------------------------------------------------------
@@ -278,30 +269,12 @@ def test_kernel_names_of_the_nvfp4_kernels():
 def test_gather_rows_passes_smul(lib, monkeypatch):
     """gather_rows' scaled launch ends with smul as a float32 (rounded from the float given), after sblock; run here
     through the host build, equal to the oracle."""
-    tab = _Dev(tables.table_blob())
-    fake = type("cupy", (), {"cuda": type("cuda", (), {"Device": _Ctx}),
-                             "empty": staticmethod(lambda shape, dtype: _Dev(np.empty(shape, dtype)))})
-    monkeypatch.setattr(dg, "_cupy", lambda: fake)
-    monkeypatch.setattr(dg, "_device_state", lambda dev: (tab, 4))
-    monkeypatch.setattr(arrays, "cupy_stream", lambda handle: _Ctx())
-    launches = []
-
-    def kernel(qt_id, dtype, index_dtype, st_id=None):
-        def launch(grid, block, args):
-            assert len(args) == 15 and type(args[-1]) is np.float32 and type(args[-2]) is np.int32
-            launches.append((qt_id, st_id, dtype, index_dtype, args[-1]))
-            rc = lib.gg_host_gather_scaled(qt_id, st_id, dg.OUT_DTYPES[dtype], int(index_dtype == "int64"),
-                                           *(int(x) for x in args[:4]), tab.a.ctypes.data, int(args[5]),
-                                           int(args[6]), int(args[7]), float(args[9]), int(args[10]),
-                                           int(args[11]), int(args[12]), int(args[13]), float(args[14]))
-            assert rc == 0
-        return launch
-    monkeypatch.setattr(dg, "_kernel", kernel)
+    launches = host_launches(lib, monkeypatch)
     (staging, offsets, inv), bs, f32 = scaled_case(160, 16, seed=3, smul=0.1)
-    scales = dg.BlockScales(_Dev(bs.sstaging), _Dev(bs.soffsets), "F8_E4M3", 16, 0.1)
+    scales = dg.BlockScales(DevArray(bs.sstaging), DevArray(bs.soffsets), "F8_E4M3", 16, 0.1)
     for dtype in DTYPES:
-        got = dg.gather_rows(_Dev(staging), _Dev(offsets), _Dev(inv), "F4_E2M1", 160, dtype=dtype, stream=77,
-                             block_scales=scales)
+        got = dg.gather_rows(DevArray(staging), DevArray(offsets), DevArray(inv), "F4_E2M1", 160, dtype=dtype,
+                             stream=77, block_scales=scales)
         assert_same(got.a, rounded(f32, dtype), dtype, nan_sign=False, what=dtype)
     assert launches == [(1003, 1000, d, "int64", np.float32(0.1)) for d in DTYPES]
 

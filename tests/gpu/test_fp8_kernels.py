@@ -33,13 +33,6 @@ GEOMETRIES = ((160, 32, None), (160, 128, None), (256, 32, None), (160, 12, None
               (256, 32, 2), (160, 128, 4))
 
 
-@pytest.fixture(scope="module")
-def lib():
-    if not hk.host_compiler_available():
-        pytest.skip("no C++ compiler (g++/clang++) or nvcc: the host build of the kernels cannot be checked")
-    return hk.host_library()
-
-
 # ---- the oracle ------------------------------------------------------------------------------------------------
 def fp8_value(kind: str, b: int) -> float:
     """The value of byte b, from the format's definition (OCP FP8 e4m3fn / e5m2; OCP MX UE8M0)."""
@@ -323,7 +316,7 @@ def test_kernel_names_of_the_scaled_kernels():
         dg.kernel_name("Q4_0", "float32", "int32", "F32")
 
 
-class _Dev:
+class DevArray:
     """A numpy array dressed as a cupy array on device `dev` (module 'cupy...', .data.ptr, .device.id)."""
 
     def __init__(self, a, dev=0):
@@ -333,10 +326,10 @@ class _Dev:
         self.flags, self.dtype, self.shape = self.a.flags, self.a.dtype, self.a.shape
 
 
-_Dev.__module__ = "cupy._fake"
+DevArray.__module__ = "cupy._fake"
 
 
-class _Ctx:
+class NullCtx:
     def __init__(self, *a, **k):
         pass
 
@@ -347,23 +340,23 @@ class _Ctx:
         return False
 
 
-def test_gather_rows_launches_the_scaled_kernel(lib, monkeypatch):
-    """gather_rows with block_scales: the scaled kernel of (type, scale type, dtype, index type), its arguments
-    gg_gather's then sstaging, soffsets, sblock, smul (1.0 unless given); run here through the host build, equal to
-    the oracle."""
-    tab = _Dev(tables.table_blob())
-    fake = type("cupy", (), {"cuda": type("cuda", (), {"Device": _Ctx}),
-                             "empty": staticmethod(lambda shape, dtype: _Dev(np.empty(shape, dtype)))})
+def host_launches(lib, monkeypatch) -> list:
+    """gather_rows' scaled launches run through the host build (cupy, the device state and the kernel replaced by
+    stand-ins): each launch's arguments are gg_gather's then sstaging (u64), soffsets, sblock (i32), smul (f32);
+    the returned list gets (type id, scale type id, dtype, index dtype, smul) per launch."""
+    tab = DevArray(tables.table_blob())
+    fake = type("cupy", (), {"cuda": type("cuda", (), {"Device": NullCtx}),
+                             "empty": staticmethod(lambda shape, dtype: DevArray(np.empty(shape, dtype)))})
     monkeypatch.setattr(dg, "_cupy", lambda: fake)
     monkeypatch.setattr(dg, "_device_state", lambda dev: (tab, 4))
-    monkeypatch.setattr(arrays, "cupy_stream", lambda handle: _Ctx())
+    monkeypatch.setattr(arrays, "cupy_stream", lambda handle: NullCtx())
     launches = []
 
     def kernel(qt_id, dtype, index_dtype, st_id=None):
         def launch(grid, block, args):
             assert len(args) == 15 and type(args[-2]) is np.int32 and type(args[-3]) is np.uint64
-            assert type(args[-1]) is np.float32 and args[-1] == 1.0
-            launches.append((qt_id, st_id, dtype, index_dtype))
+            assert type(args[-1]) is np.float32
+            launches.append((qt_id, st_id, dtype, index_dtype, args[-1]))
             rc = lib.gg_host_gather_scaled(qt_id, st_id, dg.OUT_DTYPES[dtype], int(index_dtype == "int64"),
                                            *(int(x) for x in args[:4]), tab.a.ctypes.data, int(args[5]),
                                            int(args[6]), int(args[7]), float(args[9]), int(args[10]),
@@ -371,16 +364,24 @@ def test_gather_rows_launches_the_scaled_kernel(lib, monkeypatch):
             assert rc == 0
         return launch
     monkeypatch.setattr(dg, "_kernel", kernel)
+    return launches
+
+
+def test_gather_rows_launches_the_scaled_kernel(lib, monkeypatch):
+    """gather_rows with block_scales: the scaled kernel of (type, scale type, dtype, index type), its arguments
+    gg_gather's then sstaging, soffsets, sblock, smul (1.0 unless given); run here through the host build, equal to
+    the oracle."""
+    launches = host_launches(lib, monkeypatch)
     (staging, offsets, inv), bs, f32 = scaled_case("F8_E4M3", "F32", 160, 12, seed=3)
     for dtype in DTYPES:
-        scales = dg.BlockScales(_Dev(bs.sstaging), _Dev(bs.soffsets), "F32", 12)
-        got = dg.gather_rows(_Dev(staging), _Dev(offsets), _Dev(inv.astype(np.int32)), "F8_E4M3", 160,
+        scales = dg.BlockScales(DevArray(bs.sstaging), DevArray(bs.soffsets), "F32", 12)
+        got = dg.gather_rows(DevArray(staging), DevArray(offsets), DevArray(inv.astype(np.int32)), "F8_E4M3", 160,
                              dtype=dtype, scale=0.1, stream=77, block_scales=scales)
         assert_same(got.a, rounded(with_output_scale(f32, 0.1), dtype), dtype, nan_sign=False, what=dtype)
-    assert launches == [(1000, 0, d, "int32") for d in DTYPES]
+    assert launches == [(1000, 0, d, "int32", np.float32(1.0)) for d in DTYPES]
     with pytest.raises(ValueError, match=r"block_scales must be on the device of the other arguments \(0\)"):
-        dg.gather_rows(_Dev(staging), _Dev(offsets), _Dev(inv), "F8_E4M3", 160,
-                       block_scales=(_Dev(bs.sstaging, dev=1), _Dev(bs.soffsets), "F32", 12))
+        dg.gather_rows(DevArray(staging), DevArray(offsets), DevArray(inv), "F8_E4M3", 160,
+                       block_scales=(DevArray(bs.sstaging, dev=1), DevArray(bs.soffsets), "F32", 12))
     assert len(launches) == len(DTYPES)                    # the refused call launched nothing
 
 

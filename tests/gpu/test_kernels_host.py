@@ -34,13 +34,6 @@ ALL_KERNELS = tuple(n for qt in row_types() for n in dg.kernel_names(qt))    # e
 IDS = [t.name for t in TYPES]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    if not hk.host_compiler_available():
-        pytest.skip("no C++ compiler (g++/clang++) or nvcc: the host build of the kernels cannot be checked")
-    return hk.host_library()
-
-
 def _bits_equal(got: np.ndarray, ref: np.ndarray) -> None:
     """Exactly equal: same shape, same bits (NaN where gguf has NaN; payloads compared too)."""
     ref = np.asarray(ref, np.float32).reshape(got.shape)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.gpu import devcache
 from gds_gather.gpu.host import HostAccel, HostArray
 
 torch = pytest.importorskip("torch")
@@ -19,11 +18,7 @@ from gds_gather.prefill.pipeline import CpuPrefill, GpuPrefill  # noqa: E402
 from gds_gather.prefill.run import RowMapper  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    devcache.drop_all()
-    yield
-    devcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_device_caches")
 
 
 def _cfg(platform="discrete", budget=0):

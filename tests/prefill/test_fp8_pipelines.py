@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import gds_gather as gg
-from gds_gather.gpu import devcache
 from gds_gather.gpu.host import HostAccel, HostArray
 
 torch = pytest.importorskip("torch")
@@ -30,11 +29,7 @@ def checkpoint(request, tmp_path_factory):
                                 scale_type=scales, scale_block=block, progress=False)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    devcache.drop_all()
-    yield
-    devcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_device_caches")
 
 
 def _cfg(platform, budget):

@@ -35,11 +35,7 @@ def model(request, tmp_path_factory):
                        progress=False)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    devcache.drop_all()
-    yield
-    devcache.drop_all()
+pytestmark = pytest.mark.usefixtures("fresh_device_caches")
 
 
 def _cfg(platform, budget):
