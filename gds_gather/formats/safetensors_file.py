@@ -14,6 +14,7 @@ HeaderError, TruncatedFileError, TableNotFoundError, UnsupportedTypeError.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -74,13 +75,23 @@ def _no_duplicates(pairs):
 
 def read_header(path) -> tuple[dict, int, dict]:
     """(tensor entries, absolute offset of the data section, __metadata__) of a safetensors file, every entry checked:
-    known dtype, non-negative integer shape, byte range inside the file and of the shape's size, no overlaps."""
+    known dtype, non-negative integer shape, byte range inside the file and of the shape's size, no overlaps.
+
+    Parsed once per file version (the path, and the dev, inode, size and mtime the row cache identifies files by):
+    opening a table looks up its scales in the same header. The dicts are shared between callers: read them, never
+    change them."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if not path.is_file():
         raise NotSafetensorsError(f"{path}: not a regular file")
-    size = path.stat().st_size
+    st = path.stat()
+    return _parsed_header(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_header(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> tuple[dict, int, dict]:
+    """read_header's parse of one file version of `size` bytes (dev, ino and mtime_ns only key the cache)."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
