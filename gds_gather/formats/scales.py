@@ -93,8 +93,11 @@ class ScaleSpec:
         return rows // self.row_block if self.row_block > 1 else rows
 
     def expand(self, scale_rows: np.ndarray, row_elems: int) -> np.ndarray:
-        """float32 [n, row_elems]: each element's scale, from decoded scale rows float32 [n, per_row]."""
-        return np.repeat(scale_rows, self.block, axis=1)[:, :row_elems] if self.block > 1 else scale_rows
+        """Each element's scale, from decoded scale rows float32 [n, scales a row]: [n, row_elems], or [n, 1] (it
+        broadcasts) where a row has one scale (per row, per tensor)."""
+        if scale_rows.shape[1] == 1 or self.block == 1:
+            return scale_rows
+        return np.repeat(scale_rows, self.block, axis=1)[:, :row_elems]
 
 
 def _scalar(shard: Path, e: dict, base: int) -> float:
