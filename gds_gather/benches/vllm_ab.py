@@ -123,19 +123,25 @@ def run_subprocess(model_dir, plugin: bool, python: str = sys.executable, timeou
     return res
 
 
-def ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, runner=None, **kw) -> dict:
-    """`run` without and with the plugin, interleaved (off, on, off, on, ...): medians and ratios. runner: what
-    runs one engine (default run_subprocess, same arguments)."""
-    runner = runner or run_subprocess
+def interleaved(runner, model_dir, repeat: int, python: str, log, describe, **kw) -> dict:
+    """{plugin off / on: [runs]}: `repeat` rounds of runner(model_dir, plugin, python, **kw) off then on, each run
+    logged as describe(run) where log is given."""
     runs = {False: [], True: []}
     for i in range(repeat):
         for plugin in (False, True):
             r = runner(model_dir, plugin, python, **kw)
             runs[plugin].append(r)
             if log:
-                log(f"run {i + 1} plugin {'on ' if plugin else 'off'}: prefill {r['prefill_tok_per_s']:,.0f} tok/s, "
-                    f"decode {r['decode_tok_per_s']:,.0f} tok/s, parameters {r['parameter_bytes']:,} B, "
-                    f"rss {r['rss_bytes'] / 2**20:,.0f} MiB")
+                log(f"run {i + 1} plugin {'on ' if plugin else 'off'}: {describe(r)}")
+    return runs
+
+
+def ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, runner=None, **kw) -> dict:
+    """`run` without and with the plugin, interleaved (off, on, off, on, ...): medians and ratios. runner: what
+    runs one engine (default run_subprocess, same arguments)."""
+    runs = interleaved(runner or run_subprocess, model_dir, repeat, python, log, lambda r: (
+        f"prefill {r['prefill_tok_per_s']:,.0f} tok/s, decode {r['decode_tok_per_s']:,.0f} tok/s, parameters "
+        f"{r['parameter_bytes']:,} B, rss {r['rss_bytes'] / 2**20:,.0f} MiB"), **kw)
     med = {p: {k: statistics.median(r[k] for r in rs) for k in
                ("prefill_tok_per_s", "decode_tok_per_s", "parameter_bytes", "rss_bytes", "engine_start_s")}
            for p, rs in runs.items()}
@@ -232,18 +238,12 @@ def serve_summary(r: dict) -> dict:
 def serve_ab(model_dir, repeat: int = 3, python: str = sys.executable, log=print, runner=None, **kw) -> dict:
     """`serve` without and with the plugin, interleaved: medians of serve_summary, and whether the greedy tokens
     (completions and chat) were equal in every run."""
-    runner = runner or serve_subprocess
-    runs = {False: [], True: []}
-    for i in range(repeat):
-        for plugin in (False, True):
-            r = runner(model_dir, plugin, python, **kw)
-            runs[plugin].append(r)
-            if log:
-                s = serve_summary(r)
-                log(f"run {i + 1} plugin {'on ' if plugin else 'off'}: " + ", ".join(
-                    f"{k} {v:,.3f}" if k.endswith("_s") else f"{k} {v:,.0f}" for k, v in s.items() if v is not None))
-    med = {p: {k: statistics.median(serve_summary(r)[k] for r in rs) for k in serve_summary(rs[0])
-               if all(serve_summary(r).get(k) is not None for r in rs)} for p, rs in runs.items()}
+    runs = interleaved(runner or serve_subprocess, model_dir, repeat, python, log, lambda r: ", ".join(
+        f"{k} {v:,.3f}" if k.endswith("_s") else f"{k} {v:,.0f}" for k, v in serve_summary(r).items()
+        if v is not None), **kw)
+    sums = {p: [serve_summary(r) for r in rs] for p, rs in runs.items()}
+    med = {p: {k: statistics.median(s[k] for s in ss) for k in ss[0] if all(s.get(k) is not None for s in ss)}
+           for p, ss in sums.items()}
     first = runs[False][0]
     res = {"model": str(model_dir), "repeat": repeat, "tp": first["tp"], "pp": first["pp"], "bench": first["bench"],
            "tokens_equal": all(r["tokens"] == first["tokens"] and r["chat"] == first["chat"]

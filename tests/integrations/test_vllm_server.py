@@ -108,15 +108,22 @@ def test_server_refuses_a_table_that_does_not_fit(model, tmp_path):
                               f"embedding is [65,536, 512]; the server does not start")
 
 
+def parallel_pair(model, tmp_path, workers: str, **parallel):
+    """The server of `parallel` (tp= or pp=) without and with the plugin: (off, on, the plugin's log lines), once
+    greedy tokens are equal and both workers (`workers` 0 and 1, e.g. Worker_TP) logged the table."""
+    off = serve(model, tmp_path / "off", plugin=False, **parallel)
+    on = serve(model, tmp_path / "on", plugin=True, **parallel)
+    assert on["tokens"] == off["tokens"] and on["chat"] == off["chat"] and on["stream"] == on["tokens"][0]
+    lines = plugin_lines(on["log"])
+    assert sorted(re.search(rf"\(({workers}\d) pid=", line).group(1) for line in lines) == [f"{workers}0",
+                                                                                           f"{workers}1"]
+    return off, on, lines
+
+
 def test_tensor_parallel_2(model, tmp_path):
     """Each rank reads whole rows from the table (no collective); greedy tokens equal vLLM's tensor parallel 2
     without the plugin (vLLM's own all-reduce order makes TP=2 differ from one process on this random model)."""
-    off = serve(model, tmp_path / "off", plugin=False, tp=2)
-    on = serve(model, tmp_path / "on", plugin=True, tp=2)
-    assert on["tokens"] == off["tokens"] and on["chat"] == off["chat"] and on["stream"] == on["tokens"][0]
-    lines = plugin_lines(on["log"])
-    assert sorted(re.search(r"\((Worker_TP\d) pid=", line).group(1) for line in lines) == ["Worker_TP0",
-                                                                                          "Worker_TP1"]
+    off, on, lines = parallel_pair(model, tmp_path, "Worker_TP", tp=2)
     assert all(f": {TABLE_BF16 // 2} bytes not allocated on this rank (tp=2, pp=1)" in line for line in lines)
     # each rank's vocabulary shard (half the table) is not held; the plugin's own memory is ~10 MiB per process
     assert sum(rss(off, r) - rss(on, r) for r in ("Worker_TP0", "Worker_TP1")) > TABLE_BF16 // 2
@@ -125,12 +132,7 @@ def test_tensor_parallel_2(model, tmp_path):
 def test_pipeline_parallel_2(model, tmp_path):
     """The first stage reads rows, the second opens the table and reads nothing; greedy tokens equal vLLM's
     pipeline parallel 2 without the plugin (vllm_server.PP_COMPILATION: the CPU engine needs its warm-up)."""
-    off = serve(model, tmp_path / "off", plugin=False, pp=2)
-    on = serve(model, tmp_path / "on", plugin=True, pp=2)
-    assert on["tokens"] == off["tokens"] and on["chat"] == off["chat"] and on["stream"] == on["tokens"][0]
-    lines = plugin_lines(on["log"])
-    assert sorted(re.search(r"\((Worker_PP\d) pid=", line).group(1) for line in lines) == ["Worker_PP0",
-                                                                                          "Worker_PP1"]
+    off, on, lines = parallel_pair(model, tmp_path, "Worker_PP", pp=2)
     assert all(f": {TABLE_BF16} bytes not allocated on this rank (tp=1, pp=2)" in line for line in lines)
     # the first stage does not hold the table; vLLM allocates it on the second stage too but never writes it there,
     # so that stage's RSS does not change
