@@ -75,8 +75,8 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
 class Admission:
     """A batch's misses into the cache, in steps: reserve (slots for the misses, once, while the reads are in
     flight where the reader allows: the look-up counted, the rows the reader copies from the page cache left out
-    unless admit_page_cache: reader.last_from_page_cache, known before the reads are in flight; then the next
-    batch's prefetch started), fill (each part's bytes into its slots) and settle (the slots not filled go back)."""
+    unless the store or the reader admits them: reader.last_from_page_cache, known before the reads are in
+    flight; then the next batch's prefetch started), fill (each part's bytes into its slots) and settle (the slots not filled go back)."""
 
     def __init__(self, index, unique, slots, missed, gen, admit_page_cache: bool, ahead):
         self.index, self.unique, self.slots, self.missed, self.gen = index, unique, slots, missed, gen
@@ -86,7 +86,7 @@ class Admission:
     def reserve(self, reader) -> None:
         if self.reservation is not None:
             return
-        pc = None if self.admit_page_cache else reader.last_from_page_cache
+        pc = None if self.admit_page_cache or reader.admit_page_cache else reader.last_from_page_cache
         skip = pc if pc is not None and pc.shape[0] == self.missed.shape[0] else None
         with self.index.lock:
             self.index.count(self.unique, self.slots)

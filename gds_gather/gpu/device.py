@@ -151,6 +151,7 @@ class GdsReader:
     odirect = True
     rows_from_page_cache = 0
     last_from_page_cache = None
+    admit_page_cache = False
 
     def __init__(self, path, data_offset, n_bytes, *, config, file_id, accel):
         self.accel = accel

@@ -195,6 +195,11 @@ class _FdReader(Reader):
             return None
         return self._pc.rows_resident(rows, row_bytes)
 
+    @property
+    def admit_page_cache(self) -> bool:
+        """Whether the row cache should keep the rows this reader copies from the page cache (see RowReader)."""
+        return self._pc is not None and self._pc.admit
+
     def _fetch_mixed(self, plan: ReadPlan, res: np.ndarray, pause: bool):
         """Windows whose rows are all resident are copied from the page cache (after the O_DIRECT windows in
         staging, compact); the other windows are read O_DIRECT as planned."""
@@ -361,6 +366,8 @@ class _Engines(_FdReader):
             else:
                 self.notices.append(f"{why}: Python threads instead (slower: one Python call per read)")
                 parts.append(f"Python thread pool of {threads}")
+        if self._pc is not None and self._pc.sampled:
+            parts.append("page-cache residency sampled per batch (a span over 4 GiB: no map)")
         self.how = ", ".join(parts + self.notices)
         for n in self.notices:   # a memory filesystem is expected; every other fallback is a warning
             (log.info if "memory" in n else log.warning)("%s: %s: %s", self.path.name, self.name, n)

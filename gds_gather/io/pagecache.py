@@ -11,6 +11,13 @@ Where the kernel has cachestat (Linux 6.5+), a due refresh first asks it how man
 (one syscall): none, or the same count as last time with nothing evicted, skips the mincore. mincore rather than
 RWF_NOWAIT reads: a NOWAIT miss still reads the pages into the page cache (docs/decisions/page-cache-mincore.md has
 the figures).
+
+A span of more than Residency.MAP_MAX_PAGES pages (a 28.8 GB table: 7M) is never asked about whole: its mincore and its
+cachestat cost 0.7-1 s each, more than a warm batch many times over. Such a span is "sampled": each batch asks mincore
+about Residency.SAMPLE of its rows; none resident: the batch is read O_DIRECT; all: it is read from the page cache
+(a row the sample missed that is not resident is then a buffered read: correct, counted as a page-cache row); a mix:
+mincore of every row. Its page-cache rows are pread whatever their width (a new process's first touch of a mapped
+page, ~3 us, costs more than a pread) and offered to the row cache (`admit`), where a repeat costs no system call.
 """
 from __future__ import annotations
 
@@ -86,6 +93,8 @@ class Residency:
     # docs/decisions/page-cache-residency.md).
     EXACT_DIV = 64
     MINCORE_NS_PER_PAGE = 15.0     # a whole-span mincore's cost per page (docs/decisions/page-cache-residency.md)
+    MAP_MAX_PAGES = 1 << 20        # 4 GiB: a wider span is sampled (module doc)
+    SAMPLE = 64
 
     def __init__(self, path, data_offset: int, n_bytes: int, *, interval: float = 0.25, config=None):
         self.interval = interval
@@ -99,7 +108,11 @@ class Residency:
         self.table = self._base[self.data_offset:self.data_offset + self.n_bytes]
         self.page0 = self.data_offset // PAGE
         end = -(-(self.data_offset + self.n_bytes) // PAGE)
-        self.vec = np.zeros(end - self.page0, np.uint8)
+        self._lib = native.library(config)[0]     # None: no C compiler, the map for every batch
+        self.pages = end - self.page0
+        self.sampled = self._lib is not None and self.pages > self.MAP_MAX_PAGES
+        self.admit = self.sampled       # page-cache rows cost a system call each: the row cache may keep them
+        self.vec = np.zeros(0 if self.sampled else self.pages, np.uint8)
         self._last = -float("inf")
         self.cost = 0.0
         self.any = False
@@ -110,10 +123,9 @@ class Residency:
         if hasattr(os, "posix_fadvise"):     # (a row the map wrongly calls resident: no readahead around it)
             os.posix_fadvise(self._rfd, 0, 0, os.POSIX_FADV_RANDOM)
         self.path = path
-        self._range = _CachestatRange(self.page0 * PAGE, self.vec.shape[0] * PAGE)
+        self._range = _CachestatRange(self.page0 * PAGE, self.pages * PAGE)
         self._stat = _Cachestat()
         self._seen = None               # (nr_cache, nr_evicted) at the last refresh
-        self._lib = native.library(config)[0]     # None: no C compiler, the map for every batch
         self._none_at = -float("inf")       # exact path: when cachestat last said (almost) nothing is cached
         self._none = False
         self.exact = 0                      # batches answered by per-row mincore
@@ -121,7 +133,7 @@ class Residency:
         # a new reader learns the span's residency in the background where anything is cached, so a new process's
         # first batch on a warm file finds the map made; every use of the map (and close) waits for it first
         self._learning = None
-        if self.trusted and (self.cached() or (1 << 62, 0))[0] > self._few():
+        if self.trusted and not self.sampled and (self.cached() or (1 << 62, 0))[0] > self._few():
             self._learning = threading.Thread(target=self.refresh, name="gds-gather-residency", daemon=True)
             self._learning.start()
 
@@ -161,7 +173,7 @@ class Residency:
         self.refresh()
 
     def _few(self) -> int:
-        pages = self.vec.shape[0]
+        pages = self.pages
         return min(256, max(pages // 64, min(16, pages // 4)))
 
     def refresh(self) -> None:
@@ -183,6 +195,8 @@ class Residency:
         mincore cannot be trusted for this file: see _mincore_trusted)."""
         if not self.trusted:
             return None
+        if self.sampled:
+            return self._rows_sampled(unique_rows, row_bytes)
         self._learned()
         if self._per_row(unique_rows.shape[0], row_bytes):
             return self._rows_exact(unique_rows, row_bytes)
@@ -227,6 +241,25 @@ class Residency:
         self._exact_s += time.perf_counter() - now
         return ok if ok.any() else None
 
+    def _rows_sampled(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
+        """rows_resident of a sampled span (module doc): SAMPLE rows spread over the batch first, then every row
+        where the sample is mixed."""
+        start = self.data_offset + unique_rows * row_bytes
+        first = start // PAGE
+        count = (start + row_bytes - 1) // PAGE - first + 1
+        n, pages = unique_rows.shape[0], -(-len(self._mm) // PAGE)
+        pick = np.unique(np.linspace(0, n - 1, min(self.SAMPLE, n)).astype(np.int64)) if n else first[:0]
+        ok = native.mincore_rows(self._lib, self._base.ctypes.data, first[pick], count[pick], PAGE, pages)
+        if not ok.any():
+            return None
+        if pick.shape[0] == n:
+            return ok
+        if ok.all():
+            return np.ones(n, bool)
+        self.exact += 1
+        ok = native.mincore_rows(self._lib, self._base.ctypes.data, first, count, PAGE, pages)
+        return ok if ok.any() else None
+
     def _mask(self, first, last, row_bytes):
         ok = self.vec[first].astype(bool)
         span = -(-row_bytes // PAGE) + 1            # the most pages a row can touch
@@ -258,8 +291,8 @@ class Residency:
         mapping joins this process's RSS, and where the kernel maps large folios whole one row maps up to 2 MiB of
         the file. Narrower rows are copied out of the mapping, where pread's per-call cost dominates (see
         docs/decisions/page-cache-copy.md), by several threads for a large batch, as is everything where the native
-        helpers are missing (by one)."""
-        if row_bytes < PREAD_MIN_ROW or self._lib is None:
+        helpers are missing (by one). A sampled span's rows are pread whatever their width (module doc)."""
+        if (row_bytes < PREAD_MIN_ROW and not self.sampled) or self._lib is None:
             threads = _threads(rows.shape[0], COPY_PER_THREAD)
             if self._lib is not None and threads > 1:
                 native.copy_rows(self._lib, self.table, rows * row_bytes, out, threads=threads)

@@ -97,6 +97,7 @@ class RowReader(Protocol):
     bytes_read: int
     rows_from_page_cache: int
     last_from_page_cache: "np.ndarray | None"     # set before a read yields IN_FLIGHT
+    admit_page_cache: bool  # the row cache keeps its page-cache rows too (each cost it a system call: pagecache.py)
 
     def check_file(self) -> None: ...
     def read(self, plan: ReadPlan) -> np.ndarray: ...
@@ -138,6 +139,7 @@ class Reader:
     staging = None
     odirect = False
     last_from_page_cache = None
+    admit_page_cache = False
 
     def __init__(self, path: Path, data_offset: int, n_bytes: int, *, config: Config | None = None,
                  file_id: tuple | None = None):

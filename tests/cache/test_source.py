@@ -44,6 +44,7 @@ class PlainReader:
     staging = None
     odirect = False
     last_from_page_cache = None
+    admit_page_cache = False
     rows_from_page_cache = 0
 
     def __init__(self, t):

@@ -355,3 +355,120 @@ def test_the_sample_before_a_copy_sees_evicted_pages(wide, native_lib):
         assert not res._still_resident(np.arange(cold, cold + 8, dtype=np.int64))
     finally:
         res.close()
+
+
+@pytest.fixture
+def sampled(monkeypatch):
+    """Every span counts as wider than a whole-span map may cover (MAP_MAX_PAGES): the sampled path."""
+    monkeypatch.setattr(Residency, "MAP_MAX_PAGES", 0)
+    from gds_gather.io import native
+    if native.library()[0] is None:
+        pytest.skip("no native helpers (C compiler): every span gets the map")
+
+
+def _truth(res, path, rows, row_bytes, data_offset):
+    """Whether every page of each row is resident, from one mincore of the whole file (the oracle)."""
+    import ctypes
+    from gds_gather.io.libc import libc as _libc
+    vec = np.zeros(-(-os.path.getsize(path) // PAGE), np.uint8)
+    _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
+                    vec.ctypes.data_as(ctypes.c_void_p))
+    start = data_offset + rows * row_bytes
+    return np.array([all(vec[p] & 1 for p in range(s // PAGE, (s + row_bytes - 1) // PAGE + 1))
+                     for s in start.tolist()])
+
+
+def test_a_sampled_span_costs_nothing_that_grows_with_it(wide, sampled, monkeypatch):
+    """A span wider than MAP_MAX_PAGES: no background map, no cachestat, no refresh, no map array, whatever the
+    page cache holds; a warm batch (its sample all resident) is read from the page cache by pread (narrow rows
+    too), exact."""
+    from gds_gather.io import native
+    path, raw = wide
+    gc.collect()
+    _warm(path, 0, os.path.getsize(path))
+    asked = []
+    monkeypatch.setattr(Residency, "cached", lambda self: asked.append(1))
+    monkeypatch.setattr(Residency, "refresh", lambda self: asked.append(2))
+    preads, real = [], native.pread_pool
+    monkeypatch.setattr(native, "pread_pool", lambda *a, **k: preads.append(1) or real(*a, **k))
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t) or not t._readers["direct"]._pc.trusted:
+            pytest.skip("no O_DIRECT or no trusted mincore here")
+        pc = t._readers["direct"]._pc
+        assert pc.sampled and pc._learning is None and pc.vec.size == 0
+        ids = np.random.default_rng(3).integers(0, t.n_rows, 2000)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] == np.unique(ids).size + 1 and s["rows_from_device"] == 0
+        assert pc.exact == 0 and preads and not asked
+
+
+def test_a_mixed_sample_asks_about_every_row(wide, sampled):
+    """Half the file warm, every 7th page of it dropped: a batch whose sample is mixed gets the exact mask (the
+    oracle: one mincore of the whole file), and reads through it are exact, from both sources."""
+    path, raw = wide
+    gc.collect()
+    measure.evict_file(path)
+    size = os.path.getsize(path)
+    _warm(path, 0, size // 2)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for o in range(0, size, 7 * PAGE):
+            os.posix_fadvise(fd, o, PAGE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        res = Residency(path, t.data_offset, t.n_bytes)
+        try:
+            if not res.trusted:
+                pytest.skip("mincore cannot be trusted here")
+            rows = np.arange(100, t.n_rows, 2)
+            want = _truth(res, path, rows, t.row_bytes, t.data_offset)
+            assert want.any() and not want.all()
+            np.testing.assert_array_equal(res.rows_resident(rows, t.row_bytes), want)
+            assert res.exact == 1
+            few = rows[:Residency.SAMPLE]               # a batch no larger than the sample: the sample is the answer
+            np.testing.assert_array_equal(res.rows_resident(few, t.row_bytes), want[:few.size])
+            assert res.exact == 1
+        finally:
+            res.close()
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        ids = np.random.default_rng(4).integers(100, t.n_rows, 600)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] > 0 and s["rows_from_device"] > 0
+
+
+def test_a_cold_sampled_span_reads_odirect_and_adds_nothing(wide, sampled):
+    path, raw = wide
+    gc.collect()
+    measure.evict_file(path)
+    with gg.open_table(path, config=NO_CACHE) as t:
+        if not _odirect(t):
+            pytest.skip("no O_DIRECT on this filesystem")
+        measure.evict_file(path)
+        before = measure.resident_bytes(path)
+        ids = np.arange(100, t.n_rows, 3)
+        np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] <= 1 and s["rows_from_device"] >= ids.size     # (row 0: _odirect's)
+        assert t._readers["direct"]._pc.exact == 0
+        assert measure.resident_bytes(path) <= before + 2 * PAGE
+
+
+def test_a_sampled_spans_page_cache_rows_are_admitted_to_the_row_cache(wide, sampled):
+    """Each of its page-cache rows cost a pread: the row cache keeps them, so the same rows again are hits (the
+    whole-span map's copies are not admitted: test_page_cache_rows_are_not_admitted_to_the_row_cache)."""
+    path, raw = wide
+    rowcache.drop_all()
+    _warm(path, 0, os.path.getsize(path))
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, hot_rows=0)) as t:
+        if not _odirect(t) or not t._readers["direct"]._pc.trusted:
+            pytest.skip("no O_DIRECT or no trusted mincore here")
+        ids = np.array([[1, 2999, 1], [1500, 2, 3]])
+        for _ in range(2):
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_page_cache"] == 6 and s["rows_from_cache"] == 5 and s["rows_from_device"] == 0
+    rowcache.drop_all()
