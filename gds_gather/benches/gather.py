@@ -254,7 +254,8 @@ def run_capped(a, cfg: Config) -> dict:
     cap = memcap.MemoryCap.make(a.memory_limit)
     print(f"memory cap: {human_bytes(a.memory_limit)} ({cap.kind} {cap.dir}); the bench runs in a new process inside "
           f"it, its new-process passes too", flush=True)
-    inner = argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v) and k != "memory_limit"})
+    inner = argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v) and k != "memory_limit"},
+                               capped=a.memory_limit)      # (the child's report applies the capped targets)
     scratch = Path(tempfile.mkdtemp(prefix="gds-gather-capped-"))
     try:
         job, log = scratch / "job.pickle", scratch / "passes.jsonl"

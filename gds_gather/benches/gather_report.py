@@ -18,8 +18,11 @@ PASS_TITLE = {"cold": "cold: the file evicted from the page cache, the row cache
               "restart": "restart: a new process after the same backend's own cold pass in a process before it "
                          "(hot-row files on, as by default); engine start-up off the clock"}
 # the targets: cold direct >= the best of the buffered/mapped baselines; the others direct >= 0.8 x mmap
-TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0.8), "warm": (("mmap",), 0.8),
+TARGETS = {"cold": (("pread", "mmap", "readahead"), 1.0), "again": (("mmap",), 0.8), "warm": (("mmap", "pread"), 1.0),
            "newproc": (("mmap",), 0.8), "restart": (("mmap",), 0.8)}
+# under --memory-limit (the page cache cannot hold the table: issue 37's regime) the row cache must carry again
+# and restart well ahead of every mapping
+CAPPED = {"again": (("mmap", "readahead"), 1.5), "restart": (("mmap", "readahead"), 1.5)}
 
 
 def bs_name(bs: int) -> str:
@@ -120,7 +123,7 @@ def print_ratios(out: dict, med: dict, geo: dict, a) -> None:
     targets), direct vs fio's IOPS on the same file, and the --targets ones (cold direct vs mmap, pread, fio)."""
     out["ratios"] = {}
     print("ratios (median rows/s):")
-    for p, (others, tgt) in TARGETS.items():
+    for p, (others, tgt) in (TARGETS | (CAPPED if getattr(a, "capped", None) else {})).items():
         d = med.get(("direct", p))
         have = [(o, med[(o, p)]["rows_per_s"]) for o in others if (o, p) in med]
         if not d or not have:

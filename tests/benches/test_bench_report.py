@@ -164,3 +164,25 @@ def test_write_result_json_and_a_missing_matplotlib(tmp_path, capsys):
     assert on_disk == json.loads(out[2])
     assert on_disk == {"i": 7, "x": 0.5, "a": [0, 1, 2], "p": "/d/e", "o": None, "s": "(1+2j)",
                        "json_file": str(tmp_path / "out" / "bench_demo.json")}
+
+
+def test_capped_runs_hold_again_and_restart_to_issue_37s_targets(capsys):
+    """Under --memory-limit the again and restart passes are held to 1.5x the best of mmap and readahead; warm is
+    held to the best of mmap and pread everywhere."""
+    from gds_gather.benches.gather_report import print_ratios
+
+    def run(x):
+        return {"rows_per_s": x}
+    med = {("direct", "again"): run(300.0), ("mmap", "again"): run(100.0), ("readahead", "again"): run(250.0),
+           ("direct", "warm"): run(100.0), ("mmap", "warm"): run(60.0), ("pread", "warm"): run(110.0),
+           ("direct", "restart"): run(400.0), ("mmap", "restart"): run(100.0), ("readahead", "restart"): run(200.0)}
+    out = {"fio": {}}
+    print_ratios(out, med, {"window": 4096}, SimpleNamespace(quick=False, targets=False, capped=512 << 20))
+    r = out["ratios"]
+    assert (r["again"]["vs"], r["again"]["target"]) == ("readahead", 1.5) and r["again"]["ratio"] == 1.2
+    assert (r["restart"]["vs"], r["restart"]["target"]) == ("readahead", 1.5) and r["restart"]["ratio"] == 2.0
+    assert (r["warm"]["vs"], r["warm"]["target"]) == ("pread", 1.0)
+    text = capsys.readouterr().out
+    assert "again: direct / best of mmap/readahead (readahead) = 1.20x  MISS (target >= 1.5)" in text
+    print_ratios(out, med, {"window": 4096}, SimpleNamespace(quick=False, targets=False))     # no cap
+    assert (out["ratios"]["again"]["vs"], out["ratios"]["again"]["target"]) == ("mmap", 0.8)
