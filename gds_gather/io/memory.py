@@ -1,5 +1,6 @@
-"""The memory this process may still use: its memory cgroup's limit less its usage (cgroup v2, else v1) and the
-kernel's MemAvailable, whichever is less.
+"""The memory this process may still use: its memory cgroup's limit less its usage (cgroup v2, else v1), the
+cgroup's inactive file pages not counted as used (the page cache the kernel reclaims first: a table just written or
+read buffered is charged to the cgroup that touched it), and the kernel's MemAvailable, whichever is less.
 
 Budgets (the row cache's, the kept staging buffer's) are sized against this, not the machine's RAM: a process in a
 512 MiB cgroup on a 16 GiB host is killed at 512 MiB. Read from a few small files under a root directory ("/" by
@@ -25,10 +26,12 @@ class Limits:
     cgroup_source: str | None       # e.g. "cgroup v2 /user.slice/x" (the cgroup whose limit binds)
     mem_available: int | None       # /proc/meminfo MemAvailable, bytes
     meminfo_source: str | None = None
+    cgroup_inactive_file: int | None = None    # bytes of that usage in inactive file pages (memory.stat)
 
 
 def available(limits: Limits) -> int | None:
-    """The bytes this process may still use: min(MemAvailable, cgroup limit - usage); None when neither is known."""
+    """The bytes this process may still use: min(MemAvailable, cgroup limit - (usage - inactive file pages)); None
+    when neither is known."""
     terms = [t for t in (cgroup_headroom(limits), limits.mem_available) if t is not None]
     return min(terms) if terms else None
 
@@ -36,14 +39,20 @@ def available(limits: Limits) -> int | None:
 def cgroup_headroom(limits: Limits) -> int | None:
     if limits.cgroup_limit is None:
         return None
-    return max(limits.cgroup_limit - (limits.cgroup_usage or 0), 0)
+    return max(limits.cgroup_limit - _working_set(limits.cgroup_usage, limits.cgroup_inactive_file), 0)
+
+
+def _working_set(usage: int | None, inactive_file: int | None) -> int:
+    return max((usage or 0) - (inactive_file or 0), 0)
 
 
 def source(limits: Limits) -> str:
     """Where available() came from, in words: the cgroup whose limit binds, else MemAvailable."""
     head = cgroup_headroom(limits)
     if head is not None and (limits.mem_available is None or head <= limits.mem_available):
-        return f"{limits.cgroup_source} limit {limits.cgroup_limit:,} B less {limits.cgroup_usage or 0:,} B used"
+        used = f"{limits.cgroup_source} limit {limits.cgroup_limit:,} B less {limits.cgroup_usage or 0:,} B used"
+        return used + (f" ({limits.cgroup_inactive_file:,} B of it inactive page cache, not counted)"
+                       if limits.cgroup_inactive_file else "")
     if limits.mem_available is not None:
         return "MemAvailable" + ("" if limits.cgroup_limit is None else f" (below the {limits.cgroup_source} limit)")
     return "unknown (no memory cgroup limit, no /proc/meminfo)"
@@ -106,37 +115,53 @@ def own_cgroup(root: Path = Path("/")) -> tuple[str, Path] | None:
 def read(root: Path) -> Limits:
     """Read the limits now from root/proc/self/cgroup, root/sys/fs/cgroup/... and root/proc/meminfo."""
     v1_path, v2_path = _own_paths(root)
-    limit = usage = where = None
+    limit = usage = where = inactive = None
     if v1_path is not None:         # a v1 memory hierarchy controls memory (a controller binds to one hierarchy)
-        limit, usage, where = _walk(root / "sys/fs/cgroup/memory", v1_path, "memory.limit_in_bytes",
-                                    "memory.usage_in_bytes", "cgroup v1")
+        limit, usage, where, inactive = _walk(root / "sys/fs/cgroup/memory", v1_path, "memory.limit_in_bytes",
+                                              "memory.usage_in_bytes", "cgroup v1", "total_inactive_file")
     elif v2_path is not None:
-        limit, usage, where = _walk(root / "sys/fs/cgroup", v2_path, "memory.max", "memory.current", "cgroup v2")
+        limit, usage, where, inactive = _walk(root / "sys/fs/cgroup", v2_path, "memory.max", "memory.current",
+                                              "cgroup v2", "inactive_file")
     avail = None
     meminfo = root / "proc/meminfo"
     for line in _text(meminfo).splitlines():
         if line.startswith("MemAvailable:"):
             avail = int(line.split()[1]) * 1024
             break
-    return Limits(limit, usage, where, avail, str(meminfo) if avail is not None else None)
+    return Limits(limit, usage, where, avail, str(meminfo) if avail is not None else None, inactive)
 
 
-def _walk(mount: Path, path: str, limit_file: str, usage_file: str, kind: str):
-    """The cgroup at `path` and its ancestors up to the mount: the one with the least headroom (limit - usage).
-    A path missing under the mount (a container that mounts its own cgroup as the root) reads the mount's root."""
+def _walk(mount: Path, path: str, limit_file: str, usage_file: str, kind: str, inactive_key: str):
+    """The cgroup at `path` and its ancestors up to the mount: (limit, usage, where, inactive file bytes) of the one
+    with the least headroom (limit - usage + inactive file pages, from memory.stat's `inactive_key`: hierarchical
+    in both versions). A path missing under the mount (a container that mounts its own cgroup as the root) reads
+    the mount's root."""
     parts = [p for p in path.strip("/").split("/") if p]
     if not (mount.joinpath(*parts)).is_dir():
         parts = []
-    best = (None, None, None)
+    best, head = (None, None, None, None), None
     for n in range(len(parts), -1, -1):
         d = mount.joinpath(*parts[:n])
         limit = _number(d / limit_file)
         if limit is None or limit >= V1_NO_LIMIT:
             continue
-        usage = _number(d / usage_file)
-        if best[0] is None or limit - (usage or 0) < best[0] - (best[1] or 0):
-            best = (limit, usage, f"{kind} /{'/'.join(parts[:n])}")
+        usage, inactive = _number(d / usage_file), _stat(d / "memory.stat", inactive_key)
+        room = limit - _working_set(usage, inactive)
+        if head is None or room < head:
+            best, head = (limit, usage, f"{kind} /{'/'.join(parts[:n])}", inactive), room
     return best
+
+
+def _stat(path: Path, key: str) -> int | None:
+    """The value of `key` in a memory.stat file (bytes), or None."""
+    for line in _text(path).splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
 
 
 def _number(path: Path) -> int | None:

@@ -115,3 +115,27 @@ def test_kept_staging_buffer_follows_the_limit():
     assert readers.pool_max_bytes(Limits(None, None, None, None)) == readers.POOL_MAX_BYTES
     assert readers.pool_max_bytes(Limits(512 * MiB, 0, "cgroup v2 /", 16 * GiB)) == 64 * MiB
     assert readers.pool_max_bytes(Limits(None, None, None, 64 * GiB)) == readers.POOL_MAX_BYTES
+
+
+def test_inactive_page_cache_is_not_counted_as_used(tmp_path):
+    """A table written or read buffered inside the cgroup is charged to it: its inactive file pages (memory.stat)
+    are the kernel's first reclaim, so they leave the headroom (v2 inactive_file, v1 total_inactive_file), and the
+    ancestor that binds is chosen on what is left."""
+    root = fake_root(tmp_path / "v2", "0::/a/b\n", {
+        "sys/fs/cgroup/a/b/memory.max": f"{512 * MiB}", "sys/fs/cgroup/a/b/memory.current": f"{470 * MiB}",
+        "sys/fs/cgroup/a/b/memory.stat": f"anon {30 * MiB}\nfile {440 * MiB}\nactive_file {40 * MiB}\n"
+                                         f"inactive_file {400 * MiB}\n",
+        "sys/fs/cgroup/a/memory.max": f"{500 * MiB}", "sys/fs/cgroup/a/memory.current": f"{480 * MiB}",
+        "sys/fs/cgroup/a/memory.stat": f"inactive_file {400 * MiB}\n"})
+    lim = memory.read(root)
+    assert (lim.cgroup_source, lim.cgroup_inactive_file) == ("cgroup v2 /a", 400 * MiB)
+    assert memory.available(lim) == 420 * MiB          # /a: 500 - (480 - 400); /a/b would leave 512 - (470 - 400)
+    assert memory.source(lim).endswith(f"{480 * MiB:,} B used ({400 * MiB:,} B of it inactive page cache, not "
+                                       "counted)")
+    files = {"sys/fs/cgroup/memory/x/memory.limit_in_bytes": f"{512 * MiB}",
+             "sys/fs/cgroup/memory/x/memory.usage_in_bytes": f"{470 * MiB}",
+             "sys/fs/cgroup/memory/x/memory.stat": f"inactive_file {1 * MiB}\ntotal_inactive_file {400 * MiB}\n"}
+    lim = memory.read(fake_root(tmp_path / "v1", "4:memory:/x\n0::/\n", files))
+    assert memory.available(lim) == 442 * MiB and lim.cgroup_inactive_file == 400 * MiB
+    (tmp_path / "v1/sys/fs/cgroup/memory/x/memory.stat").unlink()          # no memory.stat: usage as it is
+    assert memory.available(memory.read(tmp_path / "v1")) == 42 * MiB
