@@ -144,6 +144,7 @@ def decode_batch(ref, off, batch: int, prompt: int, new: int, rounds: int) -> di
     vocab = ref.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
     ple = {"resident": [], "offloaded": []}          # us inside the PLE module per decode step, each round's median
+    mean = {"resident": [], "offloaded": []}         # ... each round's mean (a slow step shows here, not above)
     step = {"resident": [], "offloaded": []}         # ms of generate per decode step, each round
     outs = {}
     for i in range(rounds + 1):
@@ -153,21 +154,27 @@ def decode_batch(ref, off, batch: int, prompt: int, new: int, rounds: int) -> di
                 per_token, outs[name] = generate_once(m, ids, new)
             if i:
                 ple[name].append(statistics.median(calls[1:]) * 1e6)          # calls[0]: the prompt
+                mean[name].append(statistics.fmean(calls[1:]) * 1e6)
                 step[name].append((per_token * new - fwd[0]) / (new - 1) * 1e3)
-    return {"batch": batch, "ple_us": _paired(ple), "step_ms": _paired(step),
+    return {"batch": batch, "ple_us": _paired(ple), "ple_mean_us": _paired(mean), "step_ms": _paired(step),
             "generations_equal": bool(torch.equal(outs["resident"], outs["offloaded"]))}
 
 
 def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: str = "auto",
-           batches=(1, 4)) -> dict:
+           batches=(1, 4), recent_rows: bool = True) -> dict:
     """The PLE module's cost per decode step in a loop and inside greedy generate, and generate's decode time per
-    step, offloaded vs resident in paired rounds, for each batch size (new tokens per step)."""
+    step, offloaded vs resident in paired rounds, for each batch size (new tokens per step). recent_rows=False:
+    the module keeps no rows of its own (RecentRows of no budget), so every step takes the row-cache path."""
     import torch
     import transformers
     from gds_gather.integrations.transformers import from_pretrained
     dt = dtype if dtype == "auto" else getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
     off = from_pretrained(model_dir, dtype=dt)
+    if not recent_rows:
+        from gds_gather.integrations.recent_rows import RecentRows
+        m = off.get_per_layer_input_embeddings()
+        m.recent = RecentRows(m.embedding_dim, m.weight_dtype, budget=0)
     vocab = ref.config.get_text_config().vocab_size
     one = torch.tensor([[1234 % vocab]])
     few = torch.tensor([[1234 % vocab, 99, 7, 1234 % vocab]])
@@ -180,7 +187,8 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
            "ple_us_offloaded_4": _ple_step_us(off.get_per_layer_input_embeddings(), few),
            "batches": [decode_batch(ref, off, b, prompt, new, rounds) for b in batches]}
     res["load_average"] = [load0, os.getloadavg()[0]]
-    print(f"model {model_dir}, {off.dtype}; load average {load0:.1f} -> {res['load_average'][1]:.1f} on "
+    path = "" if recent_rows else ", no recent rows (the row-cache path)"
+    print(f"model {model_dir}, {off.dtype}{path}; load average {load0:.1f} -> {res['load_average'][1]:.1f} on "
           f"{os.cpu_count()} cores")
     print(f"PLE module in a loop (median of 2000 calls), 1 token: resident {res['ple_us_resident_1']:.1f} us, "
           f"offloaded {res['ple_us_offloaded_1']:.1f} us; 4 tokens: {res['ple_us_resident_4']:.1f} vs "
@@ -188,10 +196,11 @@ def decode(model_dir, prompt: int = 512, new: int = 64, rounds: int = 5, dtype: 
     print(f"greedy generate, {prompt}-token prompts, {new} new tokens, {rounds} paired rounds (medians; offloaded / "
           f"resident: the median of the rounds' ratios, their min-max):")
     for b in res["batches"]:
-        p, s = b["ple_us"], b["step_ms"]
+        p, s, mu = b["ple_us"], b["step_ms"], b["ple_mean_us"]
         print(f"  {b['batch']} new token{'s' if b['batch'] > 1 else ''} per step: PLE module per decode step "
               f"resident {p['resident']:.0f} us, offloaded {p['offloaded']:.0f} us = {p['ratio']:.2f}x "
-              f"({p['ratio_min']:.2f}-{p['ratio_max']:.2f}); generate resident {s['resident']:.2f} ms/step "
+              f"({p['ratio_min']:.2f}-{p['ratio_max']:.2f}), mean {mu['resident']:.0f} vs {mu['offloaded']:.0f} us "
+              f"= {mu['ratio']:.2f}x; generate resident {s['resident']:.2f} ms/step "
               f"({s['resident'] / b['batch']:.2f} ms/token), offloaded {s['offloaded']:.2f} ms/step "
               f"({s['offloaded'] / b['batch']:.2f} ms/token) = {s['ratio']:.3f}x ({s['ratio_min']:.3f}-"
               f"{s['ratio_max']:.3f}); generations {'equal' if b['generations_equal'] else 'DIFFER'}")
@@ -225,6 +234,8 @@ def main(argv=None) -> dict | list:
                    help="the models' dtype (default auto: the checkpoint's)")
     s.add_argument("--batches", default="1,4", help="sequences per generate, i.e. new tokens per decode step "
                    "(comma-separated; default 1,4)")
+    s.add_argument("--no-recent-rows", action="store_true",
+                   help="the offloaded module keeps no recent rows: every step takes the row-cache path")
     a = ap.parse_args(argv)
     if a.cmd == "decode" and (a.new < 2 or a.rounds < 1 or a.prompt < 1):
         ap.error("decode needs --new >= 2, --rounds >= 1 and --prompt >= 1")
@@ -237,7 +248,8 @@ def main(argv=None) -> dict | list:
         return r
     if a.cmd == "memory":
         return memory(a.dir, a.tokens)
-    return decode(a.dir, a.prompt, a.new, a.rounds, a.dtype, [int(b) for b in a.batches.split(",")])
+    return decode(a.dir, a.prompt, a.new, a.rounds, a.dtype, [int(b) for b in a.batches.split(",")],
+                  not a.no_recent_rows)
 
 
 if __name__ == "__main__":

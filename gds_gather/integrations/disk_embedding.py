@@ -17,7 +17,7 @@ from .recent_rows import RecentRows
 
 log = logging.getLogger(__name__)
 
-SMALL_BATCH = 64       # ids per call read by Table.read_unique (no plan on row-cache hits) and kept in RecentRows
+SMALL_BATCH = 64       # ids per call read by Table.read_unique (no plan on row-cache hits)
 FLOAT_TORCH = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -96,8 +96,8 @@ class DiskEmbedding(torch.nn.Module):
         return self._lookup(input_ids, self.scale())
 
     def _lookup(self, input_ids: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """rows(ids), times scale where given: from the rows read lately where they hold every id (a decode step:
-        no read, plan, lock or conversion), else read from the table."""
+        """rows(ids), times scale where given: from the rows read lately (a prompt's, earlier steps') where they hold
+        every id (a decode step: no read, plan, lock or conversion), else read from the table."""
         if self.table.closed:
             raise TableClosedError(f"the per-layer embedding table {self.table.path} was closed (handle.close(), or "
                                    f"the end of a `with` block): this model cannot compute its per-layer inputs any "
@@ -129,6 +129,7 @@ class DiskEmbedding(torch.nn.Module):
             unique, inverse = plan.unique_rows, plan.inverse
             rows = self._as_torch(self.table.read_plan(plan, self.backend), unique)
             rows = rows if scale is None else rows * scale      # (the unique rows: the same values, fewer products)
+            self.recent.put(unique, rows, scale)                # a prompt's rows: the decode steps after it hit them
         counts = self._counts
         counts[0] += flat.shape[0]
         counts[1] += unique.shape[0]

@@ -6,8 +6,9 @@ number of distinct operations it runs, far more than the bytes it copies (docs/d
 a hit here is the ids read out (one torch call), a dict look-up per id (a decode step has a few), and one torch
 call that copies the rows into a new tensor of the output's shape (`clone` for one id, `cat` for several). The
 rows are held as the caller returns them, multiplied by its scale already. A miss (any id not held) returns None;
-the caller reads all of that call's rows from its Table and put()s them. The rows are exactly those the caller
-computed, so a hit equals a read.
+the caller reads all of that call's rows from its Table and put()s them, as it puts a prompt's (as many as fit),
+so a decode step on a prompt's token hits too. The rows are exactly those the caller computed, so a hit equals a
+read.
 
 Bounded: at most `budget` bytes of rows, first in, first out. Emptied when the process's row caches may have been
 emptied or dropped (rowcache.generation), so a benchmark's cold pass stays cold. Rows held here are the model's
@@ -80,31 +81,49 @@ class RecentRows:
         return out, len(set(slots))
 
     def put(self, ids: np.ndarray, rows: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Hold rows[i] (CPU, `dtype`) as the row of unique ids[i], evicting the oldest rows. scale: what the rows
-        were multiplied by (an object get is then given; rows put with another scale are dropped first)."""
+        """Hold rows[i] (CPU, `dtype`) as the row of unique ids[i], evicting the oldest rows (of more ids than fit:
+        the last ones). scale: what the rows were multiplied by (an object get is then given; rows put with another
+        scale are dropped first). A decode step's fresh rows land in consecutive slots: one slice copy."""
         n = min(ids.shape[0], self.capacity)
         if n == 0:
             return
         keys, rows = ids[-n:].tolist(), rows[-n:]
-        with self.lock, torch.inference_mode(False), torch.no_grad():   # plain tensors: written in and out of it
+        with self.lock:
             if self.gen != rowcache.generation() or scale is not self.scale:
                 self._clear()
                 self.scale = scale
             if self.rows is None:
-                self.rows = torch.empty(self.capacity, self.width, dtype=self.dtype, device="cpu")
-                self.row2 = list(self.rows.split(1))                       # [1, width] views
-                self.row3 = [r.view(1, 1, self.width) for r in self.row2]  # [1, 1, width] views
-            fresh = [i for i, k in enumerate(keys) if k not in self.slot]
-            if not fresh:
+                self._allocate()
+            slot = self.slot
+            fresh = [i for i, k in enumerate(keys) if k not in slot]
+            m = len(fresh)
+            if not m:
                 return
-            slots = (self.hand + np.arange(len(fresh))) % self.capacity
-            self.hand = int(slots[-1] + 1) % self.capacity
-            for old in self.id_of[slots].tolist():
-                self.slot.pop(old, None)
-            new = [keys[i] for i in fresh]
-            self.id_of[slots] = new
-            self.slot.update(zip(new, slots.tolist()))
-            self.rows[torch.from_numpy(slots)] = rows[torch.tensor(fresh)]
+            h = self.hand
+            self.hand = (h + m) % self.capacity
+            new = keys if m == n else [keys[i] for i in fresh]
+            old = self.id_of[h:h + m].tolist() if h + m <= self.capacity else None
+            if old is not None:
+                sl = range(h, h + m)
+                self.id_of[h:h + m] = new
+            else:
+                sl = ((h + np.arange(m)) % self.capacity).tolist()
+                old = self.id_of[sl].tolist()
+                self.id_of[sl] = new
+            for k in old:
+                slot.pop(k, None)
+            slot.update(zip(new, sl))
+            src = rows if m == n else rows[torch.tensor(fresh)]
+            if isinstance(sl, range):
+                self.rows[h:h + m].copy_(src)
+            else:
+                self.rows[torch.tensor(sl)] = src
+
+    def _allocate(self) -> None:
+        with torch.inference_mode(False), torch.no_grad():     # a plain tensor: written in and out of inference mode
+            self.rows = torch.empty(self.capacity, self.width, dtype=self.dtype, device="cpu")
+            self.row2 = list(self.rows.split(1))                       # [1, width] views
+            self.row3 = [r.view(1, 1, self.width) for r in self.row2]  # [1, 1, width] views
 
     def clear(self) -> None:
         """Forget every row (keeping the memory) and take the current row-cache generation."""

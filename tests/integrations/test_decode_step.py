@@ -176,6 +176,41 @@ def test_recent_rows_are_bounded_and_emptied_with_the_row_caches():
     assert r.get(torch.tensor([7])) is None and r.nbytes == 3 * 16
 
 
+def test_puts_that_wrap_around_keep_the_newest_rows():
+    """A put whose fresh rows run past the last slot (the index copy) and one that fits before it (the slice copy)
+    hold the same rows as a first-in-first-out oracle."""
+    r = RecentRows(2, torch.float32, budget=4 * 2 * 4)             # four rows
+    oracle: dict = {}
+    for ids in ([1], [2, 3, 4], [5, 6], [6, 7, 8], [9]):
+        rows = torch.tensor([[float(k), -float(k)] for k in ids])
+        r.put(np.array(ids), rows)
+        for k in ids:
+            oracle.setdefault(k, None)
+        oracle = dict(list(oracle.items())[-4:])                 # (a held id keeps its place)
+    assert sorted(r.slot) == sorted(oracle) == [6, 7, 8, 9]
+    got, _ = r.get(torch.tensor([9, 6, 8, 7]))
+    assert torch.equal(got, torch.tensor([[9.0, -9], [6, -6], [8, -8], [7, -7]]))
+    assert r.get(torch.tensor([5])) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_rows_serve_the_decode_steps_after_it(model_dir, monkeypatch, dtype):
+    """A prefill (more ids than a decode step) keeps its rows among those read lately: a decode step on a prompt
+    token reads nothing, and gives the resident module's values."""
+    ref, off, m = _models(model_dir, dtype)
+    prompt = torch.arange(3, 203).reshape(1, -1) % 512
+    with torch.inference_mode():
+        assert torch.equal(m(prompt), ref(prompt))
+        calls = {}
+        _count_reads(monkeypatch, off.gds_gather.table, calls)
+        for tok in (3, 100, 202):
+            ids = torch.tensor([[tok]])
+            assert torch.equal(m(ids), ref(ids))
+        assert calls == {}, f"a decode step on a prompt token went through {calls}"
+        assert m.recent.hits == 3
+    off.gds_gather.close()
+
+
 def _bench_hf():
     import importlib.util
     from pathlib import Path
