@@ -262,7 +262,13 @@ def run_capped(a, cfg: Config) -> dict:
         job.write_bytes(pickle.dumps((inner, cfg)))
         env = dict(os.environ, **cap.env(), **{memcap.PASSLOG: str(log)})
         child = subprocess.Popen([sys.executable, "-m", "gds_gather.benches.gather_capped", str(job)], env=env)
-        rc = child.wait()
+        try:
+            with memcap.terminate_exits():
+                rc = child.wait()
+        except BaseException:       # interrupted or terminated: the child and its passes end before the cgroup goes
+            cap.kill()
+            child.wait()
+            raise
         shutil.rmtree(out_dir(a, cfg) / f"gather-{child.pid}", ignore_errors=True)   # a killed child's scratch
         done = memcap.read_log(log)
         kills = cap.oom_kills()

@@ -13,8 +13,11 @@ v2 from Linux 6.12), else the peak since the cap was made (said so in the record
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +116,18 @@ class MemoryCap:
                 return int(v)
         return 0
 
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroup (the bench child and its passes: the parent is stopping early)."""
+        try:
+            pids = (self.dir / "cgroup.procs").read_text().split()
+        except OSError:
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
     def close(self) -> None:
         """Remove the cgroup (its processes have ended; a v1 cgroup with charged page cache still goes)."""
         for _ in range(50):
@@ -164,3 +179,20 @@ def read_log(path: Path) -> list[dict]:
         except ValueError:          # a line the killed process left half written
             break
     return out
+
+
+@contextlib.contextmanager
+def terminate_exits():
+    """SIGTERM raises SystemExit(143) in the main thread while inside (so a `kill` of the parent bench still runs its
+    cleanup: the capped child killed, the cgroup removed); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -98,3 +98,25 @@ def test_real_caps(tmp_path):
     assert dead.returncode == 1 and "memory cap: the bench process died (killed by signal 9" in dead.stdout
     res = json.loads((tmp_path / "bench_gather.json").read_text())
     assert res["died"]["why"].startswith("killed by signal 9") and res["oom_kills"] >= 1
+
+
+@pytest.mark.skipif(_can_cap() is not None, reason=f"no memory cgroup can be made here: {_can_cap()}")
+def test_a_stopped_bench_leaves_no_cgroup_behind():
+    """kill() ends every process in the cap, so close() removes it; terminate_exits turns a SIGTERM into SystemExit
+    (the parent's cleanup runs) and restores the old handler."""
+    import os
+    import signal
+    cap = memcap.MemoryCap.make(64 << 20)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cap.enter(p.pid)
+        cap.kill()
+        assert p.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        p.kill()
+        cap.close()
+    assert not cap.dir.exists()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, memcap.terminate_exits():
+        os.kill(os.getpid(), signal.SIGTERM)       # (the handler runs as soon as the call returns)
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
