@@ -13,6 +13,7 @@ from ..backends import resolve
 from ..errors import BadIdsError, ModelMismatchError, TableClosedError
 from ..formats.quants import Q
 from ..table import Table
+from .recent_rows import BUDGET as RECENT_BUDGET
 from .recent_rows import RecentRows
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ class DiskEmbedding(torch.nn.Module):
         self._scale = (None, None)    # (embed_scale buffer, it in the weight dtype): converted once per buffer
         self._as_dtype = FLOAT_TORCH.get(table.qtype)    # a float table's rows are viewed as this dtype
         self.device_backend = None    # (backend, mode, why) after the first CUDA call
-        self.recent = RecentRows(self.embedding_dim, weight_dtype)     # rows read lately: a decode step's hits
+        # rows read lately (a decode step's hits): at most 1/8 of the table's rows in the weight dtype, so that a
+        # small table's offload still saves most of what it frees
+        full = self.num_embeddings * self.embedding_dim * weight_dtype.itemsize
+        self.recent = RecentRows(self.embedding_dim, weight_dtype, budget=min(RECENT_BUDGET, full // 8))
 
     @property
     def row_ids(self) -> int:
