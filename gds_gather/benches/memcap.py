@@ -102,12 +102,7 @@ class MemoryCap:
 
     def cache(self) -> int | None:
         """Page cache charged to the cgroup now (memory.stat's cache / file)."""
-        want = FILES[self.kind]["cache"]
-        try:
-            lines = (self.dir / "memory.stat").read_text().splitlines()
-        except OSError:
-            return None
-        return next((int(v) for k, _, v in (x.partition(" ") for x in lines) if k == want and v.isdigit()), None)
+        return memory.stat_value(self.dir / "memory.stat", FILES[self.kind]["cache"])
 
     def oom_kills(self) -> int:
         for line in self._read("events").splitlines():

@@ -13,8 +13,7 @@ from ..backends import resolve
 from ..errors import BadIdsError, ModelMismatchError, TableClosedError
 from ..formats.quants import Q
 from ..table import Table
-from .recent_rows import BUDGET as RECENT_BUDGET
-from .recent_rows import RecentRows
+from .recent_rows import BUDGET as RECENT_BUDGET, RecentRows
 
 log = logging.getLogger(__name__)
 

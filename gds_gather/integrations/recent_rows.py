@@ -101,23 +101,16 @@ class RecentRows:
                 return
             h = self.hand
             self.hand = (h + m) % self.capacity
+            if h + m <= self.capacity:      # the slots in a run: numpy and torch take them as one slice
+                sl, at = range(h, h + m), slice(h, h + m)
+            else:
+                sl = at = ((h + np.arange(m)) % self.capacity).tolist()
             new = keys if m == n else [keys[i] for i in fresh]
-            old = self.id_of[h:h + m].tolist() if h + m <= self.capacity else None
-            if old is not None:
-                sl = range(h, h + m)
-                self.id_of[h:h + m] = new
-            else:
-                sl = ((h + np.arange(m)) % self.capacity).tolist()
-                old = self.id_of[sl].tolist()
-                self.id_of[sl] = new
-            for k in old:
+            for k in self.id_of[at].tolist():
                 slot.pop(k, None)
+            self.id_of[at] = new
             slot.update(zip(new, sl))
-            src = rows if m == n else rows[torch.tensor(fresh)]
-            if isinstance(sl, range):
-                self.rows[h:h + m].copy_(src)
-            else:
-                self.rows[torch.tensor(sl)] = src
+            self.rows[at] = rows if m == n else rows[torch.tensor(fresh)]
 
     def _allocate(self) -> None:
         with torch.inference_mode(False), torch.no_grad():     # a plain tensor: written in and out of inference mode

@@ -198,7 +198,7 @@ class _FdReader(Reader):
     @property
     def admit_page_cache(self) -> bool:
         """Whether the row cache should keep the rows this reader copies from the page cache (see RowReader)."""
-        return self._pc is not None and self._pc.admit
+        return self._pc is not None and self._pc.sampled     # a sampled span's page-cache rows are preads
 
     def _fetch_mixed(self, plan: ReadPlan, res: np.ndarray, pause: bool):
         """Windows whose rows are all resident are copied from the page cache (after the O_DIRECT windows in

@@ -145,15 +145,15 @@ def _walk(mount: Path, path: str, limit_file: str, usage_file: str, kind: str, i
         limit = _number(d / limit_file)
         if limit is None or limit >= V1_NO_LIMIT:
             continue
-        usage, inactive = _number(d / usage_file), _stat(d / "memory.stat", inactive_key)
+        usage, inactive = _number(d / usage_file), stat_value(d / "memory.stat", inactive_key)
         room = limit - _working_set(usage, inactive)
         if head is None or room < head:
             best, head = (limit, usage, f"{kind} /{'/'.join(parts[:n])}", inactive), room
     return best
 
 
-def _stat(path: Path, key: str) -> int | None:
-    """The value of `key` in a memory.stat file (bytes), or None."""
+def stat_value(path: Path, key: str) -> int | None:
+    """The value of `key` in a cgroup's memory.stat file (bytes), or None (no file, no such key)."""
     for line in _text(path).splitlines():
         k, _, v = line.partition(" ")
         if k == key:

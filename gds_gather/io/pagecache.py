@@ -12,12 +12,13 @@ Where the kernel has cachestat (Linux 6.5+), a due refresh first asks it how man
 RWF_NOWAIT reads: a NOWAIT miss still reads the pages into the page cache (docs/decisions/page-cache-mincore.md has
 the figures).
 
-A span of more than Residency.MAP_MAX_PAGES pages (a 28.8 GB table: 7M) is never asked about whole: its mincore and its
-cachestat cost 0.7-1 s each, more than a warm batch many times over. Such a span is "sampled": each batch asks mincore
-about Residency.SAMPLE of its rows; none resident: the batch is read O_DIRECT; all: it is read from the page cache
-(a row the sample missed that is not resident is then a buffered read: correct, counted as a page-cache row); a mix:
-mincore of every row. Its page-cache rows are pread whatever their width (a new process's first touch of a mapped
-page, ~3 us, costs more than a pread) and offered to the row cache (`admit`), where a repeat costs no system call.
+A span of more than Residency.MAP_MAX_PAGES pages (a 28.8 GB table: 7M) is never asked about whole: its mincore
+and its cachestat cost 0.7-1 s each, more than a warm batch many times over. Such a span is "sampled": each batch
+asks mincore about Residency.SAMPLE of its rows; none resident: the batch is read O_DIRECT; all: it is read from
+the page cache (a row the sample missed that is not resident is then a buffered read: correct, counted as a
+page-cache row); a mix: mincore of every row. Its page-cache rows are pread whatever their width (a new process's
+first touch of a mapped page, ~3 us, costs more than a pread) and offered to the row cache (the reader's
+`admit_page_cache`), where a repeat costs no system call.
 """
 from __future__ import annotations
 
@@ -111,7 +112,6 @@ class Residency:
         self._lib = native.library(config)[0]     # None: no C compiler, the map for every batch
         self.pages = end - self.page0
         self.sampled = self._lib is not None and self.pages > self.MAP_MAX_PAGES
-        self.admit = self.sampled       # page-cache rows cost a system call each: the row cache may keep them
         self.vec = np.zeros(0 if self.sampled else self.pages, np.uint8)
         self._last = -float("inf")
         self.cost = 0.0
@@ -233,10 +233,7 @@ class Residency:
             self._none_at = now
         if self._none:
             return None
-        start = self.data_offset + unique_rows * row_bytes
-        first = start // PAGE
-        ok = native.mincore_rows(self._lib, self._base.ctypes.data, first, (start + row_bytes - 1) // PAGE - first + 1,
-                                 PAGE, -(-len(self._mm) // PAGE))
+        ok = self._ask(*self._row_pages(unique_rows, row_bytes))
         self.exact += 1
         self._exact_s += time.perf_counter() - now
         return ok if ok.any() else None
@@ -244,12 +241,10 @@ class Residency:
     def _rows_sampled(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
         """rows_resident of a sampled span (module doc): SAMPLE rows spread over the batch first, then every row
         where the sample is mixed."""
-        start = self.data_offset + unique_rows * row_bytes
-        first = start // PAGE
-        count = (start + row_bytes - 1) // PAGE - first + 1
-        n, pages = unique_rows.shape[0], -(-len(self._mm) // PAGE)
+        first, count = self._row_pages(unique_rows, row_bytes)
+        n = unique_rows.shape[0]
         pick = np.unique(np.linspace(0, n - 1, min(self.SAMPLE, n)).astype(np.int64)) if n else first[:0]
-        ok = native.mincore_rows(self._lib, self._base.ctypes.data, first[pick], count[pick], PAGE, pages)
+        ok = self._ask(first[pick], count[pick])
         if not ok.any():
             return None
         if pick.shape[0] == n:
@@ -257,8 +252,18 @@ class Residency:
         if ok.all():
             return np.ones(n, bool)
         self.exact += 1
-        ok = native.mincore_rows(self._lib, self._base.ctypes.data, first, count, PAGE, pages)
+        ok = self._ask(first, count)
         return ok if ok.any() else None
+
+    def _row_pages(self, rows: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first page in the file, pages touched) of each row."""
+        start = self.data_offset + rows * row_bytes
+        first = start // PAGE
+        return first, (start + row_bytes - 1) // PAGE - first + 1
+
+    def _ask(self, first: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Whether pages [first[i], first[i] + count[i]) of the file are all resident, for each i: one native call."""
+        return native.mincore_rows(self._lib, self._base.ctypes.data, first, count, PAGE, -(-len(self._mm) // PAGE))
 
     def _mask(self, first, last, row_bytes):
         ok = self.vec[first].astype(bool)
@@ -273,9 +278,7 @@ class Residency:
         the copy never turns into one major fault per row."""
         pick = pages[np.linspace(0, pages.shape[0] - 1, min(samples, pages.shape[0])).astype(np.int64)]
         if self._lib is not None:       # one native call, not a ctypes call per run
-            return bool(native.mincore_rows(self._lib, self._base.ctypes.data, pick + self.page0,
-                                            np.ones(pick.shape[0], np.int64), PAGE,
-                                            -(-len(self._mm) // PAGE)).all())
+            return bool(self._ask(pick + self.page0, np.ones(pick.shape[0], np.int64)).all())
         one = np.zeros(1, np.uint8)
         mincore, base = _libc().mincore, self._base.ctypes.data + self.page0 * PAGE
         for p in sorted(set(pick.tolist())):     # (np.unique's first call imports numpy.ma: tens of ms)

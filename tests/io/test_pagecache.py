@@ -60,6 +60,31 @@ def _warm(path, start: int, n: int) -> None:
         os.close(fd)
 
 
+def _plant(path, warm_bytes: int) -> None:
+    """A planted page state: the file evicted, [0, warm_bytes) brought in, then every 7th page of it dropped."""
+    gc.collect()
+    measure.evict_file(path)
+    _warm(path, 0, warm_bytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for o in range(0, os.path.getsize(path), 7 * PAGE):
+            os.posix_fadvise(fd, o, PAGE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _truth(res, path, rows, row_bytes, data_offset):
+    """Whether every page of each row is resident, from one mincore of the whole file (the oracle)."""
+    import ctypes
+    from gds_gather.io.libc import libc as _libc
+    vec = np.zeros(-(-os.path.getsize(path) // PAGE), np.uint8)
+    _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
+                    vec.ctypes.data_as(ctypes.c_void_p))
+    start = data_offset + rows * row_bytes
+    return np.array([all(vec[p] & 1 for p in range(s // PAGE, (s + row_bytes - 1) // PAGE + 1))
+                     for s in start.tolist()])
+
+
 def test_warm_rows_come_from_the_page_cache_cold_ones_odirect(wide):
     path, raw = wide
     gc.collect()                  # no mapping of the file left (a live mapping makes preads read ahead)
@@ -260,16 +285,7 @@ def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
     """The per-row path (no map): the mask is every page of each row resident, against a planted page state
     (half the file warm, then pages dropped here and there), and reads through it are exact."""
     path, raw = wide
-    gc.collect()
-    measure.evict_file(path)
-    size = os.path.getsize(path)
-    _warm(path, 0, size)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for o in range(0, size, 7 * PAGE):          # every 7th page dropped
-            os.posix_fadvise(fd, o, PAGE, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _plant(path, os.path.getsize(path))
     with gg.open_table(path, config=NO_CACHE) as t:
         res = Residency(path, t.data_offset, t.n_bytes)
         try:
@@ -277,14 +293,7 @@ def test_few_rows_ask_mincore_about_their_own_pages(wide, exact_path):
             res._learned()
             learned = res.refreshes                 # the background map of a warm file (1), made stale here:
             res._last = -float("inf")               # the per-row path then runs until it has cost one refresh
-            vec = np.zeros(-(-size // PAGE), np.uint8)
-            import ctypes
-            from gds_gather.io.libc import libc as _libc
-            _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
-                            vec.ctypes.data_as(ctypes.c_void_p))
-            start = t.data_offset + rows * t.row_bytes
-            want = np.array([all(vec[p] & 1 for p in range(s // PAGE, (s + t.row_bytes - 1) // PAGE + 1))
-                             for s in start.tolist()])
+            want = _truth(res, path, rows, t.row_bytes, t.data_offset)
             assert want.any() and not want.all()
             np.testing.assert_array_equal(res.rows_resident(rows, t.row_bytes), want)
             assert res.exact == 1 and res.refreshes == learned
@@ -366,18 +375,6 @@ def sampled(monkeypatch):
         pytest.skip("no native helpers (C compiler): every span gets the map")
 
 
-def _truth(res, path, rows, row_bytes, data_offset):
-    """Whether every page of each row is resident, from one mincore of the whole file (the oracle)."""
-    import ctypes
-    from gds_gather.io.libc import libc as _libc
-    vec = np.zeros(-(-os.path.getsize(path) // PAGE), np.uint8)
-    _libc().mincore(ctypes.c_void_p(res._base.ctypes.data), ctypes.c_size_t(vec.size * PAGE),
-                    vec.ctypes.data_as(ctypes.c_void_p))
-    start = data_offset + rows * row_bytes
-    return np.array([all(vec[p] & 1 for p in range(s // PAGE, (s + row_bytes - 1) // PAGE + 1))
-                     for s in start.tolist()])
-
-
 def test_a_sampled_span_costs_nothing_that_grows_with_it(wide, sampled, monkeypatch):
     """A span wider than MAP_MAX_PAGES: no background map, no cachestat, no refresh, no map array, whatever the
     page cache holds; a warm batch (its sample all resident) is read from the page cache by pread (narrow rows
@@ -407,16 +404,7 @@ def test_a_mixed_sample_asks_about_every_row(wide, sampled):
     """Half the file warm, every 7th page of it dropped: a batch whose sample is mixed gets the exact mask (the
     oracle: one mincore of the whole file), and reads through it are exact, from both sources."""
     path, raw = wide
-    gc.collect()
-    measure.evict_file(path)
-    size = os.path.getsize(path)
-    _warm(path, 0, size // 2)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for o in range(0, size, 7 * PAGE):
-            os.posix_fadvise(fd, o, PAGE, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _plant(path, os.path.getsize(path) // 2)
     with gg.open_table(path, config=NO_CACHE) as t:
         res = Residency(path, t.data_offset, t.n_bytes)
         try:
