@@ -265,6 +265,8 @@ def main(argv=None) -> int:
     t.add_argument("kind", choices=["gemma4", "gemma3n"])
     t.add_argument("dir")
     t.add_argument("--vocab", type=int, default=65536)
+    t.add_argument("--per-layer", type=int, default=128, help="elements of a row per layer (the table is vocab x "
+                   "4 layers x this)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--multimodal", action="store_true", help="Gemma4ForConditionalGeneration (a vision tower)")
     t.add_argument("--tokenizer", action="store_true", help="a byte-level tokenizer with a chat template beside it "
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
         print(json.dumps(res) if a.json else json.dumps(res, indent=1))
         return 0
     if a.cmd == "tiny":
-        print(tiny(a.kind, a.dir, a.vocab, seed=a.seed, multimodal=a.multimodal, tokenizer=a.tokenizer))
+        print(tiny(a.kind, a.dir, a.vocab, per_layer=a.per_layer, seed=a.seed, multimodal=a.multimodal,
+                   tokenizer=a.tokenizer))
         return 0
     kw = dict(bench_prompt_len=a.bench_prompt_len, bench_batch=a.bench_batch, decode_tokens=a.decode_tokens,
               compiled=a.compiled)

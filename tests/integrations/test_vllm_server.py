@@ -22,7 +22,9 @@ VLLM_PY = os.environ.get("GDS_GATHER_VLLM_PYTHON")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not VLLM_PY, reason="GDS_GATHER_VLLM_PYTHON is not set: vLLM's CPU engine runs in "
                                  "its own venv (`.ci/run` builds it and sets the variable)")]
-VOCAB, N_LAYER, PER_LAYER = 65536, 4, 128     # the tiny checkpoint's PLE table: 65,536 x 512 (bf16 in vLLM: 64 MiB)
+# the tiny checkpoint's PLE table: 65,536 x 2,048 (bf16 in vLLM: 256 MiB), large beside the workers' RSS noise (up to
+# ~100 MB between two starts of the same server here; a 64 MiB table left the first pipeline stage's margin to chance)
+VOCAB, N_LAYER, PER_LAYER = 65536, 4, 512
 TABLE_BF16 = VOCAB * N_LAYER * PER_LAYER * 2
 READY_S = 600                                 # a server start's deadline (about 45-70 s here)
 PROMPTS = prompts(VOCAB, 3, 24)
@@ -36,7 +38,8 @@ def model(tmp_path_factory):
     """A tiny random Gemma 4 text checkpoint with a byte-level tokenizer and a chat template."""
     out = tmp_path_factory.mktemp("gemma4")
     p = subprocess.run([VLLM_PY, "-m", "gds_gather.benches.vllm_ab", "tiny", "gemma4", str(out), "--vocab",
-                        str(VOCAB), "--tokenizer"], capture_output=True, text=True, timeout=300)
+                        str(VOCAB), "--per-layer", str(PER_LAYER), "--tokenizer"], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return str(out)
 
@@ -105,7 +108,7 @@ def test_server_refuses_a_table_that_does_not_fit(model, tmp_path):
     errors = [line for line in e.value.log.splitlines() if " ERROR " in line and "gds_gather: " in line]
     assert len(errors) == 1, errors
     assert errors[0].endswith(f"gds_gather: {bad}: a table of 100 rows x 8 elements, but the model's per-layer "
-                              f"embedding is [65,536, 512]; the server does not start")
+                              f"embedding is [{VOCAB:,}, {N_LAYER * PER_LAYER}]; the server does not start")
 
 
 def parallel_pair(model, tmp_path, workers: str, **parallel):
