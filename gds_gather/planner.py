@@ -5,10 +5,22 @@ Everything here is vectorized numpy; the hot path never loops over rows in Pytho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
 from .errors import BadIdsError
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The O_DIRECT layout of a plan's rows (see ReadPlan): windows w, and where each unique row lies in them."""
+    offsets: np.ndarray       # int64 [W], multiples of align
+    lengths: np.ndarray       # int64 [W], multiples of align
+    staging: np.ndarray       # int64 [W], offset of each window in window staging
+    row_window: np.ndarray    # int64 [U]
+    row_staging: np.ndarray   # int64 [U], offset of each unique row in window staging
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,7 +34,9 @@ class ReadPlan:
 
     Window layout (O_DIRECT): window w covers [win_offsets[w], win_offsets[w] + win_lengths[w]), both
     multiples of `align`, and lands in window staging at `win_staging[w]`; unique row u lies in window
-    `row_window[u]`, at staging offset `row_staging[u]`. Windows are sorted and never overlap.
+    `row_window[u]`, at staging offset `row_staging[u]`. Windows are sorted and never overlap. They are made on
+    first use (`layout` may be the function that makes them): a batch read from the page cache, by a buffered
+    reader or from the row cache never pays for them.
     """
 
     shape: tuple            # shape of the ids this plan serves
@@ -31,11 +45,31 @@ class ReadPlan:
     align: int
     unique_rows: np.ndarray   # int64 [U], ascending (= file order)
     inverse: np.ndarray       # int64 [N]: ids.ravel() == unique_rows[inverse]
-    win_offsets: np.ndarray   # int64 [W], multiples of align
-    win_lengths: np.ndarray   # int64 [W], multiples of align
-    win_staging: np.ndarray   # int64 [W], offset of each window in window staging
-    row_window: np.ndarray    # int64 [U]
-    row_staging: np.ndarray   # int64 [U], offset of each unique row in window staging
+    layout: "Windows | Callable[[], Windows]"
+
+    @cached_property
+    def windows(self) -> Windows:
+        return self.layout if isinstance(self.layout, Windows) else self.layout()
+
+    @property
+    def win_offsets(self) -> np.ndarray:
+        return self.windows.offsets
+
+    @property
+    def win_lengths(self) -> np.ndarray:
+        return self.windows.lengths
+
+    @property
+    def win_staging(self) -> np.ndarray:
+        return self.windows.staging
+
+    @property
+    def row_window(self) -> np.ndarray:
+        return self.windows.row_window
+
+    @property
+    def row_staging(self) -> np.ndarray:
+        return self.windows.row_staging
 
     @property
     def n_ids(self) -> int:
@@ -224,17 +258,17 @@ def plan_unique(unique: np.ndarray, *, row_bytes: int, data_offset: int, align: 
     of a plan's rows: no validation, no second sort (inverse defaults to the identity)."""
     if inverse is None:
         inverse = np.arange(unique.shape[0], dtype=np.int64)
-    start = data_offset + unique * row_bytes
-    win_offsets, win_lengths, row_window = windows(start, row_bytes, align, max_gap, max_window, max_waste)
-    win_staging = np.zeros_like(win_lengths)
-    if win_lengths.shape[0]:
-        np.cumsum(win_lengths[:-1], out=win_staging[1:])
-    row_staging = win_staging[row_window] + (start - win_offsets[row_window])
-    return ReadPlan(
-        shape=(unique.shape[0],) if shape is None else shape, row_bytes=int(row_bytes),
-        data_offset=int(data_offset), align=int(align),
-        unique_rows=unique, inverse=inverse, win_offsets=win_offsets, win_lengths=win_lengths,
-        win_staging=win_staging, row_window=row_window, row_staging=row_staging)
+
+    def layout() -> Windows:
+        start = data_offset + unique * row_bytes
+        offs, lens, row_window = windows(start, row_bytes, align, max_gap, max_window, max_waste)
+        staging = np.zeros_like(lens)
+        if lens.shape[0]:
+            np.cumsum(lens[:-1], out=staging[1:])
+        return Windows(offs, lens, staging, row_window, staging[row_window] + (start - offs[row_window]))
+    return ReadPlan(shape=(unique.shape[0],) if shape is None else shape, row_bytes=int(row_bytes),
+                    data_offset=int(data_offset), align=int(align), unique_rows=unique, inverse=inverse,
+                    layout=layout)
 
 
 def replan(plan: ReadPlan, config, rows: np.ndarray | None = None, align: int | None = None) -> ReadPlan:
@@ -266,9 +300,21 @@ def subplan(plan: ReadPlan, keep: np.ndarray) -> ReadPlan | None:
     new_w = (np.cumsum(some) - 1)[rw[rows]]
     return ReadPlan(shape=(rows.shape[0],), row_bytes=plan.row_bytes, data_offset=plan.data_offset,
                     align=plan.align, unique_rows=plan.unique_rows[rows],
-                    inverse=np.arange(rows.shape[0], dtype=np.int64), win_offsets=offs, win_lengths=lens,
-                    win_staging=staging, row_window=new_w,
-                    row_staging=staging[new_w] + (plan.row_staging[rows] - old[new_w]))
+                    inverse=np.arange(rows.shape[0], dtype=np.int64),
+                    layout=Windows(offs, lens, staging, new_w, staging[new_w] + (plan.row_staging[rows] - old[new_w])))
+
+
+def misses(plan: ReadPlan, keep: np.ndarray, config) -> ReadPlan:
+    """The plan of the rows `keep` (bool [U]) picks, e.g. a batch's row-cache misses, its windows made on first use:
+    the plan's own where they hold only picked rows (subplan), else planned anew (replan). Rows the page cache
+    serves are never windowed."""
+    rows = plan.unique_rows[keep]
+
+    def layout() -> Windows:
+        return (subplan(plan, keep) or replan(plan, config, rows)).windows
+    return ReadPlan(shape=(rows.shape[0],), row_bytes=plan.row_bytes, data_offset=plan.data_offset,
+                    align=plan.align, unique_rows=rows, inverse=np.arange(rows.shape[0], dtype=np.int64),
+                    layout=layout)
 
 
 def realign(plan: ReadPlan, align: int, config) -> ReadPlan:

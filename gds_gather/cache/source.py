@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..io.readers import IN_FLIGHT, parts_of
-from ..planner import ReadPlan, replan, subplan
+from ..planner import ReadPlan, misses, replan
 
 
 def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | None = None,
@@ -59,7 +59,7 @@ def through(table, reader, plan: ReadPlan | None, store, *, rows: np.ndarray | N
     else:
         def plan_rows(r):
             return replan(plan, table.config, r)
-        mplan = (subplan(plan, ~hit) or plan_rows(missed)) if nh else plan
+        mplan = misses(plan, ~hit, table.config) if nh else plan
     admission = Admission(index, unique, slots, missed, gen, store.admit_page_cache, ahead)
     pc0 = reader.rows_from_page_cache
     batch = store.batch(unique, slots, missed)

@@ -241,10 +241,9 @@ class Residency:
     def _rows_sampled(self, unique_rows: np.ndarray, row_bytes: int) -> np.ndarray | None:
         """rows_resident of a sampled span (module doc): SAMPLE rows spread over the batch first, then every row
         where the sample is mixed."""
-        first, count = self._row_pages(unique_rows, row_bytes)
         n = unique_rows.shape[0]
-        pick = np.unique(np.linspace(0, n - 1, min(self.SAMPLE, n)).astype(np.int64)) if n else first[:0]
-        ok = self._ask(first[pick], count[pick])
+        pick = np.unique(np.linspace(0, n - 1, min(self.SAMPLE, n)).astype(np.int64)) if n else unique_rows[:0]
+        ok = self._ask(*self._row_pages(unique_rows[pick], row_bytes))
         if not ok.any():
             return None
         if pick.shape[0] == n:
@@ -252,7 +251,7 @@ class Residency:
         if ok.all():
             return np.ones(n, bool)
         self.exact += 1
-        ok = self._ask(first, count)
+        ok = self._ask(*self._row_pages(unique_rows, row_bytes))
         return ok if ok.any() else None
 
     def _row_pages(self, rows: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

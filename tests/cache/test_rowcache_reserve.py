@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import gds_gather as gg
 from gds_gather.io import native
 from gds_gather.cache import rowcache, store
-from gds_gather.cache import source
 from gds_gather.config import Config
+from gds_gather import planner
 from gds_gather.errors import ReadError
 from gds_gather.planner import plan_rows, replan, subplan
 from gds_gather.cache.store import PENDING, RowCache
@@ -234,8 +234,8 @@ def test_a_partly_cached_batch_reads_its_misses_by_subplan(tmp_path, ggufs, monk
     path, raw, _ = ggufs.table(tmp_path / "w.gguf", 600, seed=7, width=8192)    # IQ4_NL rows of 4,608 B
     rowcache.drop_all()
     made = []
-    real = source.subplan
-    monkeypatch.setattr(source, "subplan", lambda p, k: made.append(real(p, k)) or made[-1])
+    real = planner.subplan
+    monkeypatch.setattr(planner, "subplan", lambda p, k: made.append(real(p, k)) or made[-1])
     with gg.open_table(path, config=Config(page_cache_reads=0, cache_bytes=1 << 22)) as t:
         t.read_rows(np.arange(0, 600, 7), "direct")
         ids = np.arange(0, 600, 3)

@@ -460,3 +460,30 @@ def test_a_sampled_spans_page_cache_rows_are_admitted_to_the_row_cache(wide, sam
         s = t.stats()
         assert s["rows_from_page_cache"] == 6 and s["rows_from_cache"] == 5 and s["rows_from_device"] == 0
     rowcache.drop_all()
+
+
+def test_batches_the_page_cache_serves_plan_no_windows(wide, sampled, monkeypatch):
+    """A batch read from the page cache, or from it and the row cache, never makes O_DIRECT windows (planner: made
+    on first use), and its rows are exact; a cold batch makes them."""
+    from gds_gather import planner
+    path, raw = wide
+    rowcache.drop_all()
+    _warm(path, 0, os.path.getsize(path))
+    made, real = [], planner.windows
+    monkeypatch.setattr(planner, "windows", lambda *a, **k: made.append(1) or real(*a, **k))
+    with gg.open_table(path, config=gg.Config(cache_bytes=1 << 20, hot_rows=0)) as t:
+        if not _odirect(t) or not t._readers["direct"]._pc.trusted:
+            pytest.skip("no O_DIRECT or no trusted mincore here")
+        made.clear()
+        rng = np.random.default_rng(5)
+        first = rng.integers(0, t.n_rows, 400)
+        again = np.concatenate([first[:100], rng.integers(0, t.n_rows, 300)])     # a quarter of it hits
+        for ids in (first, again):
+            np.testing.assert_array_equal(t.read_rows(ids, "direct"), raw[ids])
+        s = t.stats()
+        assert s["rows_from_cache"] > 0 and s["rows_from_device"] == 0 and not made
+        measure.evict_file(path)
+        cold = rng.integers(0, t.n_rows, 300)
+        np.testing.assert_array_equal(t.read_rows(cold, "direct"), raw[cold])
+        assert t.stats()["rows_from_device"] > 0 and made
+    rowcache.drop_all()
