@@ -22,6 +22,14 @@ class Windows:
     row_window: np.ndarray    # int64 [U]
     row_staging: np.ndarray   # int64 [U], offset of each unique row in window staging
 
+    @classmethod
+    def packed(cls, offsets: np.ndarray, lengths: np.ndarray, row_window: np.ndarray, within: np.ndarray) -> "Windows":
+        """The windows back to back in staging, in order; `within`: each row's byte offset inside its window."""
+        staging = np.zeros_like(lengths)
+        if lengths.shape[0]:
+            np.cumsum(lengths[:-1], out=staging[1:])
+        return cls(offsets, lengths, staging, row_window, staging[row_window] + within)
+
 
 @dataclass(frozen=True, eq=False)
 class ReadPlan:
@@ -262,10 +270,7 @@ def plan_unique(unique: np.ndarray, *, row_bytes: int, data_offset: int, align: 
     def layout() -> Windows:
         start = data_offset + unique * row_bytes
         offs, lens, row_window = windows(start, row_bytes, align, max_gap, max_window, max_waste)
-        staging = np.zeros_like(lens)
-        if lens.shape[0]:
-            np.cumsum(lens[:-1], out=staging[1:])
-        return Windows(offs, lens, staging, row_window, staging[row_window] + (start - offs[row_window]))
+        return Windows.packed(offs, lens, row_window, start - offs[row_window])
     return ReadPlan(shape=(unique.shape[0],) if shape is None else shape, row_bytes=int(row_bytes),
                     data_offset=int(data_offset), align=int(align), unique_rows=unique, inverse=inverse,
                     layout=layout)
@@ -293,15 +298,12 @@ def subplan(plan: ReadPlan, keep: np.ndarray) -> ReadPlan | None:
     if not np.array_equal(some, np.logical_and.reduceat(keep, heads)):
         return None
     rows = np.flatnonzero(keep)
-    offs, lens, old = plan.win_offsets[some], plan.win_lengths[some], plan.win_staging[some]
-    staging = np.zeros_like(lens)
-    if lens.shape[0]:
-        np.cumsum(lens[:-1], out=staging[1:])
     new_w = (np.cumsum(some) - 1)[rw[rows]]
+    layout = Windows.packed(plan.win_offsets[some], plan.win_lengths[some], new_w,
+                            plan.row_staging[rows] - plan.win_staging[rw[rows]])
     return ReadPlan(shape=(rows.shape[0],), row_bytes=plan.row_bytes, data_offset=plan.data_offset,
                     align=plan.align, unique_rows=plan.unique_rows[rows],
-                    inverse=np.arange(rows.shape[0], dtype=np.int64),
-                    layout=Windows(offs, lens, staging, new_w, staging[new_w] + (plan.row_staging[rows] - old[new_w])))
+                    inverse=np.arange(rows.shape[0], dtype=np.int64), layout=layout)
 
 
 def misses(plan: ReadPlan, keep: np.ndarray, config) -> ReadPlan:
